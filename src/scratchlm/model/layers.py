@@ -1,0 +1,117 @@
+"""Parameterised building blocks: Linear, Embedding, RMSNorm and the two feed-forward nets.
+
+All weights are bias-free, as in Llama. Every module takes `device=None, dtype=None` so a
+model can be built directly on its target device and in its target dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from scratchlm.model.functional import silu
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ with `weight` of shape (out_features, in_features); x: (..., in) -> (..., out).
+
+    Initialised from a normal with std sqrt(2 / (in + out)) truncated at ±3 std (a
+    Glorot-style scale, so activations keep roughly unit variance through the stack).
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = math.sqrt(2.0 / (self.in_features + self.out_features))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight.t()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Embedding(nn.Module):
+    """Lookup table: token ids (...) -> vectors (..., embedding_dim).
+
+    `weight` is (num_embeddings, embedding_dim), initialised N(0, 1) truncated at ±3.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        return self.weight[token_ids]
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension: x / sqrt(mean(x²) + eps) · weight.
+
+    x: (..., d_model) -> same shape and dtype. The statistics are computed in float32 even for
+    bf16/fp16 inputs (squares of bf16 values lose too many bits); `weight` starts at ones.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        in_dtype = x.dtype
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * inv_rms * self.weight.float()).to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward net `w2(silu(w1 x) * w3 x)`; x: (..., d_model) -> (..., d_model).
+
+    w1, w3: d_model -> d_ff; w2: d_ff -> d_model.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(silu(self.w1(x)) * self.w3(x))
+
+
+class SiLUFFN(nn.Module):
+    """Ungated feed-forward net `w2(silu(w1 x))` (the SwiGLU ablation); x: (..., d_model).
+
+    w1: d_model -> d_ff; w2: d_ff -> d_model. For a parameter-matched comparison with SwiGLU,
+    give it d_ff = 3/2 of SwiGLU's d_ff (two matrices instead of three).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(silu(self.w1(x)))
