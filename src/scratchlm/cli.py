@@ -1,0 +1,102 @@
+"""The ``scratchlm`` console script.
+
+Each subcommand lives with the package it drives; this module only maps names to
+``module:function`` and imports the one that runs, so ``scratchlm --help`` starts instantly
+and a tokenizer command never imports torch. Command functions take ``argv`` (the words after
+the command name) and return an exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from scratchlm.errors import UserError
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "quickstart": ("scratchlm.train.quickstart", "quickstart_command",
+                   "run the whole pipeline offline on CPU in a few minutes"),
+    "download": ("scratchlm.data.commands", "download_command",
+                 "download a registered dataset (with resume and checksum)"),
+    "train-bpe": ("scratchlm.tokenizer.commands", "train_bpe_command",
+                  "train a byte-level BPE tokenizer on a text file"),
+    "tokenizer-stats": ("scratchlm.tokenizer.commands", "tokenizer_stats_command",
+                        "compression and vocabulary statistics of a tokenizer on a sample"),
+    "encode": ("scratchlm.data.commands", "encode_command",
+               "encode a text corpus to a flat uint16 token file, on all cores"),
+    "train": ("scratchlm.train.commands", "train_command",
+              "train a Transformer LM from a TOML config"),
+    "eval": ("scratchlm.train.commands", "eval_command",
+             "validation loss of a trained model on a token file"),
+    "generate": ("scratchlm.infer.commands", "generate_command",
+                 "sample text from a trained model (KV cache, top-k, top-p)"),
+    "account": ("scratchlm.model.commands", "account_command",
+                "parameters, FLOPs and training memory of a model shape"),
+    "export": ("scratchlm.model.commands", "export_command",
+               "export a trained model as a Hugging Face Llama directory"),
+    "bench": ("scratchlm.bench.commands", "bench_command",
+              "time forward, backward and training steps of a model shape"),
+    "sft": ("scratchlm.align.commands", "sft_command",
+            "supervised fine-tuning on prompt/response pairs"),
+    "expert-iteration": ("scratchlm.align.commands", "expert_iteration_command",
+                         "expert iteration with verifiable rewards"),
+    "grpo": ("scratchlm.align.commands", "grpo_command",
+             "GRPO with verifiable rewards"),
+    "eval-math": ("scratchlm.align.commands", "eval_math_command",
+                  "evaluate a model on GSM8K / MATH with answer checking"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: scratchlm <command> [args] [--section.key=value ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run `scratchlm <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _resolve(name: str):
+    module_name, func_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, func_name)
+    except (ImportError, AttributeError) as exc:
+        missing = getattr(exc, "name", None)
+        if missing and not str(missing).startswith("scratchlm"):
+            raise UserError(f"command {name!r} needs the package {missing!r}; install it first") from exc
+        raise UserError(f"command {name!r} is not available in this installation ({exc})") from exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from scratchlm import __version__
+
+        print(f"scratchlm {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"scratchlm: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        result = _resolve(name)(rest)
+    except UserError as exc:
+        print(f"scratchlm {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"scratchlm {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"scratchlm {name}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""Shape and variant options of the Transformer LM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder; the defaults are the TinyStories 17M shape."""
+
+    vocab_size: int = 10_000  # number of token ids (tokenizer vocab incl. special tokens)
+    context_length: int = 256  # longest sequence the model accepts (RoPE table size)
+    d_model: int = 512  # residual stream width
+    num_layers: int = 4  # Transformer blocks
+    num_heads: int = 16  # attention heads; d_model must be divisible by it
+    d_ff: int = 1344  # hidden width of the feed-forward network
+    rope_theta: float = 10_000.0  # RoPE base
+    rmsnorm_eps: float = 1e-5  # epsilon inside RMSNorm
+    norm_position: str = "pre"  # "pre" (Llama) or "post" (original Transformer) ablation
+    use_rmsnorm: bool = True  # False: identity instead of RMSNorm (ablation)
+    use_rope: bool = True  # False: no positional encoding at all (NoPE ablation)
+    ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation) or "moe"
+    tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
+    attention_backend: str = "math"  # "math" (reference), "flash_torch" or "flash_triton"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        if self.norm_position not in ("pre", "post"):
+            raise ValueError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+        if self.ffn not in ("swiglu", "silu", "moe"):
+            raise ValueError(f"model.ffn must be 'swiglu', 'silu' or 'moe', got {self.ffn!r}")
+        if self.attention_backend not in ("math", "flash_torch", "flash_triton"):
+            raise ValueError(
+                "model.attention_backend must be 'math', 'flash_torch' or 'flash_triton', "
+                f"got {self.attention_backend!r}"
+            )

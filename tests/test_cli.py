@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from scratchlm import cli
+from scratchlm.errors import UserError
+
+
+def test_help_lists_every_command(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert name in out
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_user_error_is_one_line(monkeypatch, capsys):
+    def boom(argv):
+        raise UserError("vocab_size must be at least 257")
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: boom)
+    assert cli.main(["train-bpe"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "scratchlm train-bpe: error: vocab_size must be at least 257"
+
+
+def test_missing_file_is_one_line(monkeypatch, capsys):
+    def missing(argv):
+        open("/nonexistent/corpus.txt")
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: missing)
+    assert cli.main(["encode"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("scratchlm encode: error: No such file or directory") and "\n" not in err
+
+
+def test_every_command_resolves():
+    """Each registered command names a function that exists."""
+    for name in cli.COMMANDS:
+        assert callable(cli._resolve(name)), name
+
+
+def test_import_is_light_and_python_m_works():
+    code = "import sys, scratchlm; import scratchlm.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run([sys.executable, "-m", "scratchlm", "--help"], capture_output=True, text=True, check=True)
+    assert "usage: scratchlm" in out.stdout

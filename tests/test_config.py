@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from scratchlm.config import (
+    ConfigError,
+    config_to_toml,
+    load_config,
+    split_overrides,
+)
+from scratchlm.train.config import TrainConfig
+
+
+@dataclass
+class Inner:
+    width: int = 4
+    rate: float = 0.5
+    name: str = "x"
+    flag: bool = False
+    maybe: int | None = None
+    sizes: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    seed: int = 0
+
+
+def test_defaults_preset_then_overrides(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text("seed = 3\n[inner]\nwidth = 8\nrate = 1\n")
+    cfg = load_config(Outer, preset, ["--inner.name=abc", "--inner.flag=true", "--inner.maybe=7"])
+    assert cfg.seed == 3
+    assert cfg.inner.width == 8 and cfg.inner.rate == 1.0 and isinstance(cfg.inner.rate, float)
+    assert cfg.inner.name == "abc" and cfg.inner.flag is True and cfg.inner.maybe == 7
+
+
+def test_override_lists_and_none():
+    cfg = load_config(Outer, None, ["--inner.sizes=[3, 4, 5]", "--inner.maybe=none"])
+    assert cfg.inner.sizes == [3, 4, 5] and cfg.inner.maybe is None
+    cfg = load_config(Outer, None, ["--inner.sizes=6,7"])
+    assert cfg.inner.sizes == [6, 7]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--inner.widht=3", "unknown config key 'inner.widht'"),
+        ("--inner.width=3.5", "inner.width must be an integer"),
+        ("--inner.flag=maybe", "inner.flag must be true or false"),
+        ("--inner.rate=fast", "inner.rate must be a number"),
+        ("--nosuch.key=1", "unknown config key 'nosuch'"),
+        ("--seed.x=1", "seed"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(Outer, None, [override])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_wrong_type_in_toml(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text('[inner]\nwidth = "wide"\n')
+    with pytest.raises(ConfigError, match="inner.width must be an integer"):
+        load_config(Outer, preset)
+    preset.write_text("[inner]\nwidth = true\n")
+    with pytest.raises(ConfigError, match="inner.width must be an integer"):
+        load_config(Outer, preset)
+
+
+def test_invalid_toml_and_missing_preset(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inner\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(Outer, bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Outer, tmp_path / "missing.toml")
+
+
+def test_toml_round_trip():
+    cfg = load_config(TrainConfig, None, ["--optim.lr=3e-4", "--model.use_rope=false", "--trainer.out_dir=r/x"])
+    text = config_to_toml(cfg)
+    import tomllib
+
+    again = load_config(TrainConfig, None, [])
+    from scratchlm.config import from_dict
+
+    again = from_dict(TrainConfig, tomllib.loads(text))
+    assert again == cfg
+
+
+def test_validation_in_post_init_becomes_config_error():
+    with pytest.raises(ConfigError, match="divisible"):
+        load_config(TrainConfig, None, ["--model.d_model=100", "--model.num_heads=3"])
+    with pytest.raises(ConfigError, match="parallel.strategy"):
+        load_config(TrainConfig, None, ["--parallel.strategy=magic"])
+
+
+def test_split_overrides():
+    pos, ov = split_overrides(["cfg.toml", "--optim.lr=1", "--resume", "--model.d_model", "64"])
+    assert pos == ["cfg.toml", "--resume"]
+    assert ov == ["--optim.lr=1", "--model.d_model=64"]
