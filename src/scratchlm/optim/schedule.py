@@ -1,0 +1,48 @@
+"""Learning-rate schedules: plain functions of the iteration number, so they are trivially
+resumable (no scheduler state to checkpoint) and the trainer just sets each group's `lr`."""
+
+from __future__ import annotations
+
+import math
+
+
+def cosine_lr(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> float:
+    """Linear warm-up from 0 to `max_lr` over `warmup_iters`, cosine decay to `min_lr` at
+    `cosine_cycle_iters`, then `min_lr`.
+
+        it < warmup_iters:                        max_lr · it / warmup_iters
+        warmup_iters <= it <= cosine_cycle_iters: min_lr + ½ (1 + cos(π · (it − Tw) / (Tc − Tw))) (max_lr − min_lr)
+        it > cosine_cycle_iters:                  min_lr
+
+    Example: cosine_lr(0, 1.0, 0.1, 10, 100) == 0.0; cosine_lr(10, 1.0, 0.1, 10, 100) == 1.0;
+    cosine_lr(100, 1.0, 0.1, 10, 100) == 0.1.
+    """
+    if it < warmup_iters:
+        return max_lr * it / warmup_iters
+    if it > cosine_cycle_iters:
+        return min_lr
+    span = cosine_cycle_iters - warmup_iters
+    if span <= 0:  # no decay phase: the peak is the whole schedule up to cosine_cycle_iters
+        return max_lr
+    progress = (it - warmup_iters) / span
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def constant_lr(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> float:
+    """Linear warm-up to `max_lr`, then constant (same signature as `cosine_lr`)."""
+    if it < warmup_iters:
+        return max_lr * it / warmup_iters
+    return max_lr
+
+
+def linear_lr(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> float:
+    """Linear warm-up, then linear decay to `min_lr` at `cosine_cycle_iters` (same signature)."""
+    if it < warmup_iters:
+        return max_lr * it / warmup_iters
+    if it >= cosine_cycle_iters:
+        return min_lr
+    progress = (it - warmup_iters) / (cosine_cycle_iters - warmup_iters)
+    return max_lr + progress * (min_lr - max_lr)
+
+
+SCHEDULES = {"cosine": cosine_lr, "constant": constant_lr, "linear": linear_lr}

@@ -1,0 +1,47 @@
+import torch
+
+from scratchlm.optim.clip import clip_grad_norm
+
+
+def _params_with_grads(scale: float, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 3), (5,), (2, 2, 2)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    return params
+
+
+def test_matches_torch_clip_grad_norm_when_clipping_and_not():
+    for scale, max_norm in [(10.0, 1.0), (0.01, 1.0), (1.0, 2.5)]:
+        ours, ref = _params_with_grads(scale), _params_with_grads(scale)
+        n_ours = clip_grad_norm(ours, max_norm)
+        n_ref = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        torch.testing.assert_close(n_ours, n_ref)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-6)
+
+
+def test_clipped_norm_is_at_most_the_limit_and_small_grads_are_untouched():
+    params = _params_with_grads(10.0)
+    clip_grad_norm(params, 1.0)
+    total = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    assert 0.999 < total.item() <= 1.0
+    small = _params_with_grads(1e-3)
+    before = [p.grad.clone() for p in small]
+    clip_grad_norm(small, 1.0)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, small))
+
+
+def test_parameters_without_grad_are_ignored():
+    params = _params_with_grads(10.0)
+    params.append(torch.nn.Parameter(torch.ones(3)))
+    norm = clip_grad_norm(params, 1.0)
+    assert norm.item() > 1.0 and params[-1].grad is None
+    assert clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
+
+
+def test_mixed_dtypes():
+    a = torch.nn.Parameter(torch.zeros(4))
+    b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    a.grad, b.grad = torch.full((4,), 3.0), torch.full((4,), 4.0, dtype=torch.float64)
+    assert abs(clip_grad_norm([a, b], 1.0).item() - 10.0) < 1e-5

@@ -1,0 +1,40 @@
+import math
+
+import pytest
+
+from scratchlm.optim.schedule import constant_lr, cosine_lr, linear_lr
+
+
+def test_cosine_lr_matches_the_formula_at_every_step():
+    max_lr, min_lr, tw, tc = 1.0, 0.1, 7, 21
+    for it in range(30):
+        if it < tw:
+            expected = it / tw * max_lr
+        elif it <= tc:
+            expected = min_lr + 0.5 * (1 + math.cos((it - tw) / (tc - tw) * math.pi)) * (max_lr - min_lr)
+        else:
+            expected = min_lr
+        assert cosine_lr(it, max_lr, min_lr, tw, tc) == pytest.approx(expected, abs=1e-12)
+
+
+def test_cosine_lr_reference_values():
+    # Values from the widely used from-scratch course schedule (max 1, min 0.1, warm-up 7, cycle 21).
+    expected = [0, 0.14285714285714285, 0.2857142857142857, 0.42857142857142855, 0.5714285714285714,
+                0.7142857142857143, 0.8571428571428571, 1.0, 0.9887175604818206, 0.9554359905560885,
+                0.9018241671106134, 0.8305704108364301, 0.7452476826029011, 0.6501344202803414,
+                0.55, 0.44986557971965857, 0.3547523173970989, 0.26942958916356996,
+                0.19817583288938662, 0.14456400944391146, 0.11128243951817937, 0.1, 0.1, 0.1, 0.1]
+    got = [cosine_lr(it, 1, 0.1, 7, 21) for it in range(25)]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_edges_without_warmup_or_decay():
+    assert cosine_lr(0, 2.0, 0.5, 0, 10) == 2.0
+    assert cosine_lr(5, 2.0, 0.5, 5, 5) == 2.0
+    assert cosine_lr(6, 2.0, 0.5, 5, 5) == 0.5
+
+
+def test_other_schedules():
+    assert constant_lr(3, 1.0, 0.0, 6, 10) == 0.5 and constant_lr(99, 1.0, 0.0, 6, 10) == 1.0
+    assert linear_lr(6, 1.0, 0.0, 6, 10) == 1.0 and linear_lr(8, 1.0, 0.0, 6, 10) == 0.5
+    assert linear_lr(11, 1.0, 0.0, 6, 10) == 0.0
