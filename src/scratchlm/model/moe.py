@@ -1,0 +1,236 @@
+"""Mixture-of-experts feed-forward layer: top-k routing over SwiGLU experts.
+
+A linear router scores each token against ``E`` experts; softmax turns the scores into
+probabilities and each token goes to its ``top_k`` most probable experts, weighted by those
+probabilities (renormalised to sum to 1 over the chosen ones unless ``renormalize=False``).
+Shared experts, when present, see every token with weight 1.
+
+Dispatch never loops over tokens. The (token, choice) assignments are sorted by expert so
+each expert's tokens are one contiguous block, and each block is one matrix multiply:
+
+- with a capacity factor, every expert takes at most ``C = ceil(capacity_factor · N · k / E)``
+  assignments; blocks are padded to ``C`` and all experts run as one batched ``torch.bmm``
+  of shape (E, C, ·). ``C`` depends only on the input shape, so no host synchronisation is
+  needed. Assignments beyond an expert's capacity are dropped: they add nothing, and a token
+  whose every choice was dropped passes through the block by the residual connection alone.
+  First choices have priority over second choices, then earlier tokens over later ones
+  (the order of Switch Transformer / GShard).
+- dropless (``capacity_factor=None``): no assignment is dropped; the experts run one matmul
+  each over their contiguous slice (no padding, so skewed routing costs no extra FLOPs).
+
+After each forward ``self.last_aux`` holds the router statistics and the two auxiliary
+losses, so the block API stays ``ffn(x) -> y``; ``moe_aux_loss(model, ...)`` sums them over a
+model. ``load_balance`` is the Switch Transformer loss ``E · Σ_e f_e · P_e`` (f_e: fraction
+of assignments routed to e, before capacity; P_e: mean router probability of e), equal to 1
+for perfectly uniform routing; ``z_loss`` is ST-MoE's mean squared log-sum-exp of the router
+logits, which keeps them small. ``moe_reference`` is a naive per-expert loop over the same
+parameters that the tests compare with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from scratchlm.errors import UserError
+from scratchlm.model.functional import silu
+from scratchlm.model.layers import Linear, SwiGLU
+
+
+def _check(num_experts: int, top_k: int, capacity_factor: float | None, num_shared_experts: int) -> None:
+    if num_experts < 1:
+        raise UserError(f"moe: num_experts must be at least 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise UserError(f"moe: top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise UserError(f"moe: capacity_factor must be positive (or none for dropless), got {capacity_factor}")
+    if num_shared_experts < 0:
+        raise UserError(f"moe: num_shared_experts must be >= 0, got {num_shared_experts}")
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Assignments each expert accepts: ceil(capacity_factor · tokens · top_k / experts)."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def _upcast(t: Tensor) -> Tensor:
+    """bf16/fp16 -> fp32 (router softmax and log-sum-exp lose too much below fp32); else as is."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Router logits (N, E) -> (probs (N, E) in at least fp32, gates (N, k), expert ids (N, k))."""
+    probs = torch.softmax(_upcast(logits), dim=-1)
+    gates, experts = probs.topk(top_k, dim=-1)
+    if renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return probs, gates, experts
+
+
+def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor) -> dict[str, Tensor]:
+    """Auxiliary losses and statistics of one routing; logits/probs (N, E), experts (N, k).
+
+    ``dropped``: number of assignments dropped for lack of capacity (a scalar tensor).
+    """
+    num_experts = probs.shape[-1]
+    fraction = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / experts.numel()
+    mean_prob = probs.mean(dim=0)
+    return {
+        "load_balance": num_experts * (fraction * mean_prob).sum(),
+        "z_loss": torch.logsumexp(_upcast(logits), dim=-1).pow(2).mean(),
+        "expert_fraction": fraction,
+        "dropped_fraction": dropped.to(probs.dtype) / experts.numel(),
+        "router_entropy": -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1).mean().detach(),
+    }
+
+
+def _swiglu_bmm(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """Batched SwiGLU: x (E, C, D), w1/w3 (E, F, D), w2 (E, D, F) -> (E, C, D)."""
+    h = silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))
+    return torch.bmm(h, w2.transpose(1, 2))
+
+
+class MoEFFN(nn.Module):
+    """Top-k mixture of SwiGLU experts; x: (..., d_model) -> (..., d_model).
+
+    Parameters: ``router`` (a Linear d_model -> num_experts), stacked expert weights ``w1``,
+    ``w3`` (E, d_ff, d_model) and ``w2`` (E, d_model, d_ff), and ``shared`` (one SwiGLU of
+    width num_shared_experts · d_ff, which equals the sum of that many d_ff-wide experts).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        renormalize: bool = True,
+        num_shared_experts: int = 0,
+        capacity_factor: float | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        _check(num_experts, top_k, capacity_factor, num_shared_experts)
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.num_shared_experts = num_shared_experts
+        self.capacity_factor = capacity_factor
+        self.router = Linear(d_model, num_experts, device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, device=device, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_ff, device=device, dtype=dtype))
+        self.shared = (
+            SwiGLU(d_model, num_shared_experts * d_ff, device=device, dtype=dtype) if num_shared_experts else None
+        )
+        self.last_aux: dict[str, Tensor] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # The same truncated normal as Linear, per expert matrix.
+        std = math.sqrt(2.0 / (self.d_model + self.d_ff))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"shared={self.num_shared_experts}, capacity_factor={self.capacity_factor}"
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)  # (N, D)
+        N, E, k = x2.shape[0], self.num_experts, self.top_k
+        logits = self.router(x2)  # (N, E)
+        probs, gates, experts = route(logits, k, self.renormalize)
+
+        # Assignments in priority order: all first choices (token order), then all second ones.
+        flat_expert = experts.t().reshape(-1)  # (k·N,)
+        flat_token = torch.arange(N, device=x.device).repeat(k)  # (k·N,)
+        flat_gate = gates.t().reshape(-1).to(x.dtype)  # (k·N,)
+        order = torch.sort(flat_expert, stable=True).indices
+        sorted_expert = flat_expert[order]
+        counts = torch.bincount(flat_expert, minlength=E)  # (E,)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(k * N, device=x.device) - starts[sorted_expert]  # place within its expert
+
+        routed = x2.new_zeros(k * N, self.d_model)  # expert output per assignment, priority order
+        if self.capacity_factor is None:
+            dropped = torch.zeros((), device=x.device, dtype=torch.long)
+            xs = x2[flat_token[order]]  # (k·N, D), grouped by expert
+            pieces = []
+            for e, xe in enumerate(torch.split(xs, counts.tolist())):  # one host sync
+                if xe.shape[0]:
+                    pieces.append((silu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())) @ self.w2[e].t())
+            if pieces:
+                routed = routed.index_copy(0, order, torch.cat(pieces))
+        else:
+            C = expert_capacity(N, E, k, self.capacity_factor)
+            keep = slot < C
+            dropped = (~keep).sum()
+            kept = order[keep]  # assignment ids that fit, grouped by expert
+            # Row of each kept assignment in the (E·C) padded buffer; padding rows stay zero.
+            rows = sorted_expert[keep] * C + slot[keep]
+            buf = x2.new_zeros(E * C, self.d_model).index_copy(0, rows, x2[flat_token[kept]])
+            ys = _swiglu_bmm(buf.view(E, C, self.d_model), self.w1, self.w3, self.w2).view(E * C, self.d_model)
+            routed = routed.index_copy(0, kept, ys[rows])
+
+        # Weighted sum over each token's k choices; dropped assignments contribute zero.
+        out = (routed * flat_gate[:, None]).view(k, N, self.d_model).sum(dim=0)
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        self.last_aux = router_stats(logits, probs, experts, dropped)
+        return out.view(shape)
+
+
+def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Naive MoE forward with ``module``'s weights: one masked pass per expert, no sorting.
+
+    Capacity uses a running count per expert over the assignments in priority order (a
+    cumulative sum of one-hot rows) instead of the sorted slots of ``MoEFFN.forward``.
+    Returns (y like x, router stats as in ``MoEFFN.last_aux``).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, module.d_model)
+    N, E, k = x2.shape[0], module.num_experts, module.top_k
+    logits = x2 @ module.router.weight.t()
+    probs, gates, experts = route(logits, k, module.renormalize)
+    choice_expert = experts.t()  # (k, N): row j holds every token's j-th choice
+    one_hot = torch.nn.functional.one_hot(choice_expert.reshape(-1), E)  # (k·N, E)
+    position = (torch.cumsum(one_hot, dim=0) * one_hot).sum(dim=-1).view(k, N) - 1
+    if module.capacity_factor is None:
+        keep = torch.ones_like(position, dtype=torch.bool)
+    else:
+        keep = position < expert_capacity(N, E, k, module.capacity_factor)
+    out = torch.zeros_like(x2)
+    for e in range(E):
+        for j in range(k):
+            mask = (choice_expert[j] == e) & keep[j]  # (N,)
+            h = silu(x2 @ module.w1[e].t()) * (x2 @ module.w3[e].t())
+            y = h @ module.w2[e].t()
+            out = out + torch.where(mask[:, None], y * gates[:, j, None].to(x.dtype), torch.zeros_like(y))
+    if module.shared is not None:
+        sw = module.shared
+        out = out + (silu(x2 @ sw.w1.weight.t()) * (x2 @ sw.w3.weight.t())) @ sw.w2.weight.t()
+    stats = router_stats(logits, probs, experts, (~keep).sum())
+    return out.view(shape), stats
+
+
+def moe_aux_loss(model: nn.Module, load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
+    """``Σ_layers (load_balance_coef · load_balance + z_loss_coef · z_loss)`` of the last forward.
+
+    None when the model has no MoE layer (so dense training adds nothing to its graph).
+    """
+    total = None
+    for module in model.modules():
+        if isinstance(module, MoEFFN) and module.last_aux:
+            term = load_balance_coef * module.last_aux["load_balance"] + z_loss_coef * module.last_aux["z_loss"]
+            total = term if total is None else total + term
+    return total

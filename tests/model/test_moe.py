@@ -1,0 +1,202 @@
+"""MoEFFN: grouped dispatch against the naive per-expert loop, capacity, aux losses, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scratchlm.errors import UserError
+from scratchlm.model.layers import SwiGLU
+from scratchlm.model.moe import MoEFFN, expert_capacity, moe_aux_loss, moe_reference
+
+D, F = 16, 24
+
+
+def _make(seed: int = 0, **kwargs) -> MoEFFN:
+    torch.manual_seed(seed)
+    kwargs.setdefault("num_experts", 4)
+    kwargs.setdefault("top_k", 2)
+    moe = MoEFFN(D, F, dtype=torch.float64, **kwargs)
+    # A sharper router than the default init, so routing is uneven and capacity bites.
+    with torch.no_grad():
+        moe.router.weight.mul_(4.0)
+    return moe
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor, fn) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y, aux = fn(x)
+    # A loss touching output and both aux losses, with weights that do not cancel.
+    w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+    loss = (y * w).sum() + 0.3 * aux["load_balance"] + 0.7 * aux["z_loss"]
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    return y.detach(), grads, x.grad.detach().clone()
+
+
+def _grouped(moe: MoEFFN):
+    def fn(x):
+        y = moe(x)
+        return y, moe.last_aux
+
+    return fn
+
+
+def _naive(moe: MoEFFN):
+    return lambda x: moe_reference(moe, x)
+
+
+CASES = [
+    dict(),  # dropless top-2
+    dict(top_k=1),
+    dict(top_k=4),  # every expert
+    dict(capacity_factor=0.5),  # many drops
+    dict(capacity_factor=1.0),
+    dict(capacity_factor=4.0),  # no drops through the padded path
+    dict(num_shared_experts=2),
+    dict(num_shared_experts=1, capacity_factor=0.75, renormalize=False),
+    dict(top_k=3, num_experts=6, capacity_factor=1.25),
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=[str(c) or "default" for c in CASES])
+def test_grouped_matches_naive_forward_and_backward(kwargs):
+    moe = _make(**kwargs)
+    x = torch.randn(3, 10, D, dtype=torch.float64)
+    y1, g1, gx1 = _grads(moe, x, _grouped(moe))
+    aux1 = {k: v.detach().clone() for k, v in moe.last_aux.items()}
+    y2, g2, gx2 = _grads(moe, x, _naive(moe))
+    _, aux2 = moe_reference(moe, x)
+    assert y1.shape == x.shape
+    torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gx1, gx2, rtol=1e-10, atol=1e-10)
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-10, atol=1e-10, msg=name)
+    for name in aux1:
+        torch.testing.assert_close(aux1[name], aux2[name].detach(), rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_capacity_drops_tokens_and_they_contribute_zero():
+    moe = _make(capacity_factor=0.5)
+    x = torch.randn(40, D, dtype=torch.float64)
+    y = moe(x)
+    dropped = moe.last_aux["dropped_fraction"].item()
+    # Each expert takes at most C assignments, so at least 1 - E·C/(k·N) of them are dropped.
+    C = expert_capacity(40, 4, 2, 0.5)
+    assert C == 10
+    assert dropped >= 1 - 4 * C / 80 - 1e-12 and dropped > 0
+    # Tokens whose both choices were dropped give exactly zero (the residual carries them).
+    probs = torch.softmax(moe.router(x), dim=-1)
+    experts = probs.topk(2, dim=-1).indices
+    assignments = experts.t().reshape(-1)  # priority order: first choices, then second
+    seen = torch.zeros(4, dtype=torch.long)
+    kept = torch.zeros(80, dtype=torch.bool)
+    for i, e in enumerate(assignments.tolist()):
+        kept[i] = seen[e] < C
+        seen[e] += 1
+    kept = kept.view(2, 40)
+    fully_dropped = ~kept.any(dim=0)
+    assert fully_dropped.any(), "the test needs a token with every choice dropped"
+    assert torch.all(y[fully_dropped] == 0)
+    assert torch.all(y[~fully_dropped].abs().sum(-1) > 0)
+    assert (~kept).float().mean().item() == pytest.approx(dropped)
+
+
+def test_dropless_equals_huge_capacity():
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    a = _make(seed=3)
+    b = _make(seed=3, capacity_factor=100.0)
+    torch.testing.assert_close(a(x), b(x))
+    assert a.last_aux["dropped_fraction"].item() == 0.0
+    assert b.last_aux["dropped_fraction"].item() == 0.0
+
+
+def test_single_expert_top1_is_a_swiglu():
+    torch.manual_seed(0)
+    moe = MoEFFN(D, F, num_experts=1, top_k=1, dtype=torch.float64)
+    ref = SwiGLU(D, F, dtype=torch.float64)
+    with torch.no_grad():
+        ref.w1.weight.copy_(moe.w1[0])
+        ref.w3.weight.copy_(moe.w3[0])
+        ref.w2.weight.copy_(moe.w2[0])
+    x = torch.randn(5, D, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), ref(x))
+    assert moe.last_aux["load_balance"].item() == pytest.approx(1.0)
+
+
+def test_shared_experts_add_to_every_token():
+    moe = _make(num_shared_experts=2)
+    assert moe.shared.w1.weight.shape == (2 * F, D)
+    x = torch.randn(6, D, dtype=torch.float64)
+    with_shared = moe(x)
+    shared = moe.shared
+    moe.shared = None
+    routed = moe(x)
+    moe.shared = shared
+    torch.testing.assert_close(with_shared - routed, shared(x))
+
+
+def test_aux_losses_values():
+    moe = _make()
+    x = torch.randn(64, D, dtype=torch.float64)
+    moe(x)
+    aux = moe.last_aux
+    logits = moe.router(x)
+    probs = torch.softmax(logits, -1)
+    top = probs.topk(2, -1).indices
+    f = torch.stack([(top == e).sum() for e in range(4)]).double() / top.numel()
+    torch.testing.assert_close(aux["expert_fraction"], f)
+    torch.testing.assert_close(aux["load_balance"], 4 * (f * probs.mean(0)).sum())
+    torch.testing.assert_close(aux["z_loss"], (torch.logsumexp(logits, -1) ** 2).mean())
+    entropy = -(probs * probs.log()).sum(-1).mean()
+    torch.testing.assert_close(aux["router_entropy"], entropy)
+    assert 0 < aux["router_entropy"].item() <= math.log(4) + 1e-9
+    assert aux["expert_fraction"].sum().item() == pytest.approx(1.0)
+    # Uniform router (zero weights): every probability 1/E, so the loss is exactly 1.
+    with torch.no_grad():
+        moe.router.weight.zero_()
+    moe(x)
+    assert moe.last_aux["load_balance"].item() == pytest.approx(1.0)
+    assert moe.last_aux["z_loss"].item() == pytest.approx(math.log(4) ** 2)
+
+
+def test_aux_loss_sums_layers_and_trains_router():
+    layers = torch.nn.ModuleList([_make(seed=1), _make(seed=2)])
+    x = torch.randn(12, D, dtype=torch.float64)
+    for layer in layers:
+        layer(x)
+    expected = sum(0.01 * m.last_aux["load_balance"] + 0.001 * m.last_aux["z_loss"] for m in layers)
+    loss = moe_aux_loss(layers, 0.01, 0.001)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert layers[0].router.weight.grad.abs().sum() > 0
+    assert moe_aux_loss(torch.nn.Linear(2, 2), 0.01, 0.001) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_experts=4, top_k=5), dict(num_experts=4, top_k=0), dict(num_experts=4, top_k=2, capacity_factor=0.0),
+     dict(num_experts=4, top_k=2, capacity_factor=-1.0), dict(num_experts=0, top_k=1)],
+)
+def test_bad_arguments_raise_user_error(kwargs):
+    with pytest.raises(UserError):
+        MoEFFN(D, F, **kwargs)
+
+
+def test_float32_and_parameter_shapes():
+    torch.manual_seed(0)
+    moe = MoEFFN(D, F, num_experts=3, top_k=2, num_shared_experts=1)
+    shapes = {n: tuple(p.shape) for n, p in moe.named_parameters()}
+    assert shapes == {
+        "router.weight": (3, D), "w1": (3, F, D), "w3": (3, F, D), "w2": (3, D, F),
+        "shared.w1.weight": (F, D), "shared.w2.weight": (D, F), "shared.w3.weight": (F, D),
+    }
+    x = torch.randn(2, 7, D)
+    y = moe(x)
+    ref, _ = moe_reference(moe, x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
