@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.errors import UserError
+from scratchlm.model.accounting import moe_shape
 from scratchlm.model.functional import silu
 from scratchlm.model.layers import Linear, SwiGLU
 
@@ -170,7 +171,10 @@ class MoEFFN(nn.Module):
                 if xe.shape[0]:
                     pieces.append((silu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())) @ self.w2[e].t())
             if pieces:
-                routed = routed.index_copy(0, order, torch.cat(pieces))
+                # Undo the sort with a gather (index_copy would keep its source for backward).
+                inverse = torch.empty_like(order)
+                inverse[order] = torch.arange(k * N, device=x.device)
+                routed = torch.cat(pieces)[inverse]
         else:
             C = expert_capacity(N, E, k, self.capacity_factor)
             keep = slot < C
@@ -234,3 +238,41 @@ def moe_aux_loss(model: nn.Module, load_balance_coef: float, z_loss_coef: float)
             term = load_balance_coef * module.last_aux["load_balance"] + z_loss_coef * module.last_aux["z_loss"]
             total = term if total is None else total + term
     return total
+
+
+def build_moe_ffn(
+    d_model: int,
+    d_ff: int,
+    *,
+    num_experts: int = 8,
+    top_k: int = 2,
+    capacity_factor: float | None = None,
+    shared_experts: int = 0,
+    renormalize: bool = True,
+    device=None,
+    dtype=None,
+) -> MoEFFN:
+    """The FFN of a ``ffn="moe"`` TransformerBlock; option names are ModelConfig's ``moe_*``
+    fields without the prefix (each expert, routed or shared, is a SwiGLU of width d_ff)."""
+    return MoEFFN(
+        d_model,
+        d_ff,
+        num_experts,
+        top_k,
+        renormalize=renormalize,
+        num_shared_experts=shared_experts,
+        capacity_factor=capacity_factor,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def moe_options(cfg: object) -> dict[str, object]:
+    """``build_moe_ffn`` keyword options from a ModelConfig's ``moe_*`` fields (defaults if absent)."""
+    shape = moe_shape(cfg)
+    return {
+        "num_experts": shape["num_experts"],
+        "top_k": shape["top_k"],
+        "capacity_factor": shape["capacity_factor"],
+        "shared_experts": shape["shared"],
+    }

@@ -1,0 +1,224 @@
+"""Parameters, FLOPs and training memory of a model shape, as pure functions of a ModelConfig.
+
+Nothing here imports torch: the numbers come from the shapes alone, so `scratchlm account`
+answers instantly for shapes far too large to build. The tests check the parameter count
+against ``sum(p.numel())`` of a built model for every variant.
+
+Conventions (the usual ones of scaling-law accountings, so figures compare with papers):
+
+- A matrix multiply of (m, k) by (k, n) costs ``2·m·n·k`` FLOPs (one multiply, one add).
+  Element-wise work (norms, RoPE, softmax, SiLU, residual adds, the loss) is not counted:
+  it is O(T·D) against the O(T·D²) of the matmuls.
+- ``attention`` is the two products QKᵀ and PV over the *full* T×T score matrix,
+  ``2·(2·T·T·d_model)`` per layer. Causal masking is *not* halved: a dense kernel computes
+  the masked half too, and the published accountings (Kaplan et al., Chinchilla, MFU
+  figures) use the full product. A causal-aware kernel does about half of this term.
+- Training costs three forwards (backward = 2× forward for matmuls), reported as
+  ``train_flops_per_sequence``.
+- MoE layers count only the experts a token is routed to (``top_k`` plus shared experts)
+  in FLOPs and in ``active`` parameters, and every expert in ``total`` parameters. With a
+  capacity factor some tokens are dropped; the FLOPs stay those of the dropless routing
+  (an upper bound on the useful work).
+
+MoE fields are read with ``getattr`` and defaults, so this module works with a ModelConfig
+whether or not it carries them yet: ``moe_num_experts`` (8), ``moe_top_k`` (2),
+``moe_shared_experts`` (0), ``moe_capacity_factor`` (None = dropless). Each expert, routed
+or shared, is a SwiGLU of width ``d_ff``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FP32_BYTES = 4
+# fp32 weights + fp32 gradients + AdamW's two fp32 moments.
+STATIC_BYTES_PER_PARAM = 16
+
+
+def moe_shape(cfg: Any) -> dict[str, Any]:
+    """The MoE fields of a config with their defaults: num_experts, top_k, shared, capacity_factor."""
+    return {
+        "num_experts": int(getattr(cfg, "moe_num_experts", 8)),
+        "top_k": int(getattr(cfg, "moe_top_k", 2)),
+        "shared": int(getattr(cfg, "moe_shared_experts", 0)),
+        "capacity_factor": getattr(cfg, "moe_capacity_factor", None),
+    }
+
+
+def _ffn_params(cfg: Any) -> dict[str, int]:
+    """Per-layer FFN parameters: total and active (touched by one token)."""
+    D, F = cfg.d_model, cfg.d_ff
+    if cfg.ffn == "swiglu":
+        n = 3 * D * F
+        return {"total": n, "active": n}
+    if cfg.ffn == "silu":
+        n = 2 * D * F
+        return {"total": n, "active": n}
+    if cfg.ffn == "moe":
+        moe = moe_shape(cfg)
+        expert = 3 * D * F
+        router = D * moe["num_experts"]
+        return {
+            "total": router + (moe["num_experts"] + moe["shared"]) * expert,
+            "active": router + (moe["top_k"] + moe["shared"]) * expert,
+        }
+    raise ValueError(f"unknown ffn {cfg.ffn!r}")
+
+
+def count_params(cfg: Any) -> dict[str, int]:
+    """Parameter count by component, with ``total`` and ``active`` (per-token, differs for MoE).
+
+    Components: ``embedding`` (V·D), ``attention`` (4·D² per layer: q, k, v, output),
+    ``ffn`` (3·D·d_ff per layer for SwiGLU, 2·D·d_ff for SiLU, router and all experts for MoE),
+    ``norm`` (D per RMSNorm: two per layer and the final one; 0 without RMSNorm) and
+    ``lm_head`` (V·D, 0 when tied to the embedding, which it then shares).
+
+    >>> from scratchlm.model.config import ModelConfig
+    >>> count_params(ModelConfig(vocab_size=100, d_model=8, num_layers=1, num_heads=2, d_ff=16))["total"]
+    2264
+    """
+    V, D, L = cfg.vocab_size, cfg.d_model, cfg.num_layers
+    ffn = _ffn_params(cfg)
+    parts = {
+        "embedding": V * D,
+        "attention": L * 4 * D * D,
+        "ffn": L * ffn["total"],
+        "norm": (2 * L + 1) * D if cfg.use_rmsnorm else 0,
+        "lm_head": 0 if cfg.tie_embeddings else V * D,
+    }
+    total = sum(parts.values())
+    parts["total"] = total
+    parts["active"] = total - L * (ffn["total"] - ffn["active"])
+    # Without the embedding table (a lookup, no FLOPs): the "N" of scaling-law papers.
+    parts["non_embedding"] = total - parts["embedding"]
+    return parts
+
+
+def param_count(cfg: Any) -> int:
+    """Total number of parameters; equals ``sum(p.numel() for p in build_model(cfg).parameters())``."""
+    return count_params(cfg)["total"]
+
+
+def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
+    """Forward FLOPs for one sequence of ``seq_len`` tokens (default: context_length).
+
+    Returns ``{"qkvo", "attention", "ffn", "lm_head", "total"}``; see the module docstring
+    for what is counted (matmuls only, full T×T attention).
+    """
+    T = cfg.context_length if seq_len is None else seq_len
+    V, D, L, F = cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff
+    if cfg.ffn == "swiglu":
+        ffn = 3 * 2 * T * D * F
+    elif cfg.ffn == "silu":
+        ffn = 2 * 2 * T * D * F
+    elif cfg.ffn == "moe":
+        moe = moe_shape(cfg)
+        router = 2 * T * D * moe["num_experts"]
+        ffn = router + (moe["top_k"] + moe["shared"]) * 3 * 2 * T * D * F
+    else:
+        raise ValueError(f"unknown ffn {cfg.ffn!r}")
+    parts = {
+        "qkvo": L * 4 * 2 * T * D * D,
+        "attention": L * 2 * (2 * T * T * D),
+        "ffn": L * ffn,
+        "lm_head": 2 * T * D * V,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
+    """Bytes of activations autograd keeps for the backward pass, one fp32 sequence, by part.
+
+    These are the tensors scratchlm's own ops save (written from elementary tensor ops, so a
+    softmax keeps its exponentials as well as its output); the tests check the total against
+    what ``torch.autograd.graph.saved_tensors_hooks`` sees. Per layer (T tokens, D = d_model,
+    H heads, F = d_ff, E experts, k = top_k, S shared experts):
+
+    - each RMSNorm (two per layer): its input, the normalised x/rms and the weighted output
+      that feeds the next matmul (3·T·D); without RMSNorm, only the matmul input (T·D);
+    - attention, "math" backend: q and k after RoPE, v, and the attention output fed to
+      ``output_proj`` (4·T·D); the scaled scores, their exponentials and the probabilities
+      (3·H·T·T, the term quadratic in T); flash backends keep their output and a (H, T)
+      log-sum-exp instead (T·D + H·T);
+    - SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and the product fed to w2 (5·T·F);
+      SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F);
+    - MoE: the router logits, probabilities and their logarithms (3·T·E), the gathered
+      expert inputs and the expert outputs before the weighted sum (2·k·T·D), and 5·F per
+      token for each routed and shared expert ((k + S)·5·T·F).
+
+    After the stack: the final RMSNorm (3·T·D) and the float32 logits and their
+    exponentials inside the cross-entropy (2·T·V). Ignored as small: per-row statistics
+    such as 1/rms or softmax maxima (O(T·H)), the RoPE cos/sin rows, boolean masks and
+    integer ids. Residual additions keep nothing. Mixed precision roughly halves the total;
+    activation checkpointing trades most of it for recomputation.
+    """
+    T = cfg.context_length if seq_len is None else seq_len
+    V, D, L, F, H = cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff, cfg.num_heads
+    # Without RMSNorm the next matmul still keeps its input: the residual stream itself.
+    norm = 3 * T * D if cfg.use_rmsnorm else T * D
+    # Flash kernels keep their own output as well as the copy that feeds output_proj.
+    scores = 3 * H * T * T if cfg.attention_backend == "math" else T * D + H * T
+    if cfg.ffn == "swiglu":
+        ffn = 5 * T * F
+    elif cfg.ffn == "silu":
+        ffn = 3 * T * F
+    elif cfg.ffn == "moe":
+        moe = moe_shape(cfg)
+        k, E = moe["top_k"], moe["num_experts"]
+        ffn = 3 * T * E + 2 * k * T * D + (k + moe["shared"]) * 5 * T * F
+    else:
+        raise ValueError(f"unknown ffn {cfg.ffn!r}")
+    elements = {
+        "norms": (2 * L + 1) * norm,
+        "attention": L * (4 * T * D + scores),
+        "ffn": L * ffn,
+        "loss": 2 * T * V,
+    }
+    out = {k: v * FP32_BYTES for k, v in elements.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def train_memory_bytes(cfg: Any) -> dict[str, int]:
+    """Training memory: ``static`` (16 bytes/param: fp32 weights, grads, AdamW m and v) and
+    ``activations_per_sequence`` (fp32, one sequence of context_length; see
+    ``activation_bytes_per_sequence`` for the tensors counted)."""
+    return {
+        "static": STATIC_BYTES_PER_PARAM * param_count(cfg),
+        "activations_per_sequence": activation_bytes_per_sequence(cfg)["total"],
+    }
+
+
+def max_batch_size(cfg: Any, memory_bytes: int) -> int:
+    """Largest fp32 batch of context_length sequences whose static + activation memory fits."""
+    mem = train_memory_bytes(cfg)
+    free = memory_bytes - mem["static"]
+    return max(0, free // mem["activations_per_sequence"])
+
+
+def account(cfg: Any) -> dict[str, Any]:
+    """The full report of `scratchlm account`: params, FLOPs and memory of one config.
+
+    The top-level keys ``params``, ``forward_flops``, ``forward_flops_breakdown`` and
+    ``train_memory_bytes`` are a stable interface; the rest is informative.
+    """
+    params = count_params(cfg)
+    flops = forward_flops(cfg)
+    breakdown = {k: v for k, v in flops.items() if k != "total"}
+    report: dict[str, Any] = {
+        "params": params["total"],
+        "forward_flops": flops["total"],
+        "forward_flops_breakdown": breakdown,
+        "train_memory_bytes": train_memory_bytes(cfg),
+        "params_breakdown": params,
+        "context_length": cfg.context_length,
+        "forward_flops_per_token": flops["total"] // cfg.context_length,
+        "train_flops_per_sequence": 3 * flops["total"],
+        "train_flops_per_token": 3 * flops["total"] // cfg.context_length,
+        "activation_bytes_breakdown": activation_bytes_per_sequence(cfg),
+        "attention_flops_counting": "full T x T (no causal halving)",
+    }
+    if cfg.ffn == "moe":
+        report["moe"] = moe_shape(cfg)
+    return report

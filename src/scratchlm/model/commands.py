@@ -1,0 +1,156 @@
+"""`scratchlm account` (params, FLOPs, memory of a shape) and `scratchlm export` (to Hugging Face).
+
+Both are thin: they parse flags, load a config or a trained model, and call
+``scratchlm.model.accounting`` or ``scratchlm.model.hf``. `account` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from scratchlm.errors import UserError
+
+_TRAIN_SECTIONS = {"model", "data", "optim", "trainer", "parallel"}
+
+
+def load_model_config(config: str | None, overrides: list[str]) -> Any:
+    """ModelConfig from a preset (a full train config or a bare [model] table), a run or step
+    directory (its ``config.toml``), or the defaults; then ``--model.key=value`` overrides."""
+    from scratchlm.config import ConfigError, load_config, resolve_preset
+    from scratchlm.model.config import ModelConfig
+
+    preset: Path | None = None
+    if config is not None:
+        path = Path(config)
+        if path.is_dir():
+            if not (path / "config.toml").is_file():
+                raise UserError(f"{path} is a directory without a config.toml")
+            path = path / "config.toml"
+        preset = resolve_preset(path)
+    for text in overrides:
+        if not text.startswith("--model."):
+            raise ConfigError(f"override {text.split('=', 1)[0]!r}: account only reads --model.* keys")
+    data: dict[str, Any] = {}
+    if preset is not None:
+        try:
+            data = tomllib.loads(preset.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{preset}: invalid TOML: {exc}") from None
+    if not data or set(data) & _TRAIN_SECTIONS:
+        from scratchlm.train.config import TrainConfig
+
+        return load_config(TrainConfig, preset, overrides).model
+    # A file holding only the model's keys.
+    bare = [f"--{text[len('--model.'):]}" for text in overrides]
+    return load_config(ModelConfig, preset, bare)
+
+
+def _si(n: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def format_report(cfg: Any, report: dict[str, Any]) -> str:
+    """The human-readable table of `scratchlm account`."""
+    p = report["params_breakdown"]
+    f = report["forward_flops_breakdown"]
+    m = report["train_memory_bytes"]
+    total_flops = report["forward_flops"]
+    rows: list[tuple[str, str, str]] = []
+    shape = (f"V={cfg.vocab_size} T={cfg.context_length} D={cfg.d_model} L={cfg.num_layers} "
+             f"H={cfg.num_heads} F={cfg.d_ff} ffn={cfg.ffn}"
+             f"{' tied' if cfg.tie_embeddings else ''}{'' if cfg.use_rmsnorm else ' no-rmsnorm'}")
+    lines = [f"model: {shape}", ""]
+    rows.append(("parameters", f"{p['total']:,}", _si(p["total"])))
+    for key in ("embedding", "attention", "ffn", "norm", "lm_head"):
+        rows.append((f"  {key}", f"{p[key]:,}", f"{100 * p[key] / p['total']:.1f}%"))
+    rows.append(("  non-embedding", f"{p['non_embedding']:,}", _si(p["non_embedding"])))
+    if p["active"] != p["total"]:
+        rows.append(("  active per token", f"{p['active']:,}", _si(p["active"])))
+    rows.append(("forward FLOPs / sequence", f"{total_flops:,}", _si(total_flops, "FLOP")))
+    for key in ("qkvo", "attention", "ffn", "lm_head"):
+        rows.append((f"  {key}", f"{f[key]:,}", f"{100 * f[key] / total_flops:.1f}%"))
+    rows.append(("forward FLOPs / token", f"{report['forward_flops_per_token']:,}",
+                 _si(report["forward_flops_per_token"], "FLOP")))
+    rows.append(("train FLOPs / token (3x)", f"{report['train_flops_per_token']:,}",
+                 _si(report["train_flops_per_token"], "FLOP")))
+    rows.append(("static memory (16 B/param)", f"{m['static']:,}", _gib(m["static"])))
+    rows.append(("activations / sequence (fp32)", f"{m['activations_per_sequence']:,}",
+                 _gib(m["activations_per_sequence"])))
+    if "max_batch_size" in report:
+        rows.append((f"max batch in {report['memory_budget_gib']:g} GiB", str(report["max_batch_size"]), ""))
+    width = max(len(r[0]) for r in rows)
+    num = max(len(r[1]) for r in rows)
+    lines += [f"{a:<{width}}  {b:>{num}}  {c}".rstrip() for a, b, c in rows]
+    lines += ["", "attention FLOPs count the full T x T products (no causal halving)."]
+    return "\n".join(lines)
+
+
+def account_command(argv: list[str]) -> int:
+    """`scratchlm account [CONFIG] [--model.key=value ...] [--json] [--memory-gib N]`."""
+    from scratchlm.config import split_overrides
+    from scratchlm.model.accounting import account, max_batch_size
+
+    positional, overrides = split_overrides(argv)
+    parser = argparse.ArgumentParser(
+        prog="scratchlm account",
+        description="Parameters, forward FLOPs and training memory of a model shape. "
+        "Override the shape with --model.key=value (e.g. --model.d_model=768).",
+    )
+    parser.add_argument("config", nargs="?", help="preset name or TOML file, or a run/step directory")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="also report the largest fp32 batch that fits in this much memory")
+    args = parser.parse_args(positional)
+    cfg = load_model_config(args.config, overrides)
+    report = account(cfg)
+    if args.memory_gib is not None:
+        report["memory_budget_gib"] = args.memory_gib
+        report["max_batch_size"] = max_batch_size(cfg, int(args.memory_gib * 2**30))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(cfg, report))
+    return 0
+
+
+def export_command(argv: list[str]) -> int:
+    """`scratchlm export RUN_OR_CHECKPOINT --to hf OUT [--overwrite]`."""
+    parser = argparse.ArgumentParser(
+        prog="scratchlm export",
+        description="Export a trained model as a Hugging Face Llama directory "
+        "(config.json, generation_config.json, model.safetensors, tokenizer files).",
+    )
+    parser.add_argument("source", help="run directory, step directory or checkpoint file")
+    parser.add_argument("--to", choices=["hf"], default="hf", help="target format (only 'hf')")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty OUT")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"{out} is not empty (pass --overwrite to replace its files)")
+    source = Path(args.source)
+    if not source.exists():
+        raise FileNotFoundError(2, "No such file or directory", str(source))
+
+    from scratchlm.model.hf import check_exportable, export_hf
+    from scratchlm.train.checkpoint import load_trained_model
+
+    model, cfg, tokenizer = load_trained_model(source, device="cpu")
+    check_exportable(cfg)
+    written = export_hf(model, cfg, out, tokenizer=tokenizer)
+    print(f"exported {source} to {out} ({', '.join(sorted(p.name for p in written))})")
+    return 0

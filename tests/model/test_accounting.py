@@ -1,0 +1,218 @@
+"""Accounting: hand-checked GPT-2-XL figures, and params/FLOPs/activations against built models."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from scratchlm.config import ConfigError
+from scratchlm.errors import UserError
+from scratchlm.model.accounting import (
+    account,
+    activation_bytes_per_sequence,
+    count_params,
+    forward_flops,
+    max_batch_size,
+    param_count,
+    train_memory_bytes,
+)
+from scratchlm.model.commands import account_command
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.functional import cross_entropy
+from scratchlm.model.moe import moe_options
+from scratchlm.model.transformer import TransformerLM, build_model
+
+GPT2_XL = dict(vocab_size=50257, context_length=1024, d_model=1600, num_layers=48, num_heads=25, d_ff=6400)
+SMALL = dict(vocab_size=256, context_length=64, d_model=64, num_layers=2, num_heads=4, d_ff=128)
+VARIANTS = [
+    dict(),
+    dict(tie_embeddings=True),
+    dict(ffn="silu"),
+    dict(use_rmsnorm=False),
+    dict(norm_position="post"),
+    dict(use_rope=False),
+    dict(ffn="silu", use_rmsnorm=False, tie_embeddings=True),
+]
+MOE_VARIANTS = [
+    dict(moe_num_experts=4, moe_top_k=2),
+    dict(moe_num_experts=4, moe_top_k=1, moe_shared_experts=1),
+]
+
+
+def _moe_cfg(**moe) -> types.SimpleNamespace:
+    """A ModelConfig with ffn="moe" plus moe_* fields (ModelConfig itself may not carry them)."""
+    return types.SimpleNamespace(**vars(ModelConfig(**SMALL, ffn="moe")), **moe)
+
+
+def _build_moe(cfg) -> TransformerLM:
+    return TransformerLM(**SMALL, ffn="moe", moe_options=moe_options(cfg))
+
+
+def test_gpt2_xl_params_by_hand():
+    # embedding 50257·1600 = 80,411,200 (and the same again for the untied lm_head);
+    # per layer: attention 4·1600² = 10,240,000, SwiGLU 3·1600·6400 = 30,720,000, two norms
+    # 3,200 -> 40,963,200; 48 layers -> 1,966,233,600; final norm 1,600.
+    cfg = ModelConfig(**GPT2_XL)
+    p = count_params(cfg)
+    assert p["embedding"] == 80_411_200
+    assert p["lm_head"] == 80_411_200
+    assert p["attention"] == 491_520_000
+    assert p["ffn"] == 1_474_560_000
+    assert p["norm"] == 155_200
+    assert p["total"] == 2_127_057_600 == param_count(cfg)
+    assert p["active"] == p["total"]
+    assert p["non_embedding"] == 2_127_057_600 - 80_411_200
+    assert param_count(ModelConfig(**GPT2_XL, tie_embeddings=True)) == 2_127_057_600 - 80_411_200
+
+
+def test_gpt2_xl_forward_flops_by_hand():
+    # T = 1024. Per layer: q,k,v,o 4 · 2·T·D² = 20,971,520,000; QKᵀ and PV 2 · 2·T²·D =
+    # 6,710,886,400 (full T×T); SwiGLU 3 · 2·T·D·F = 62,914,560,000. lm_head 2·T·D·V.
+    cfg = ModelConfig(**GPT2_XL)
+    f = forward_flops(cfg)
+    assert f["qkvo"] == 48 * 20_971_520_000 == 1_006_632_960_000
+    assert f["attention"] == 48 * 6_710_886_400 == 322_122_547_200
+    assert f["ffn"] == 48 * 62_914_560_000 == 3_019_898_880_000
+    assert f["lm_head"] == 164_682_137_600
+    assert f["total"] == 4_513_336_524_800  # ≈ 4.51 TFLOPs per 1024-token sequence
+    # Half the context: the linear terms halve, the attention term quarters.
+    half = forward_flops(cfg, seq_len=512)
+    assert half["qkvo"] * 2 == f["qkvo"] and half["attention"] * 4 == f["attention"]
+
+
+def test_gpt2_xl_memory_by_hand():
+    cfg = ModelConfig(**GPT2_XL)
+    mem = train_memory_bytes(cfg)
+    assert mem["static"] == 16 * 2_127_057_600 == 34_032_921_600
+    # Elements: norms 97 · 3·T·D = 476,774,400; attention 48 · (4·T·D + 3·H·T²) =
+    # 4,089,446,400; SwiGLU 48 · 5·T·F = 1,572,864,000; loss 2·T·V = 102,926,336.
+    assert mem["activations_per_sequence"] == 4 * 6_242_011_136
+    assert max_batch_size(cfg, 80 * 2**30) == (80 * 2**30 - 34_032_921_600) // (4 * 6_242_011_136)
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=[str(v) or "default" for v in VARIANTS])
+def test_params_and_flops_match_built_model(kwargs):
+    cfg = ModelConfig(**SMALL, **kwargs)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, cfg.vocab_size, (1, cfg.context_length)))
+    assert forward_flops(cfg)["total"] == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("moe", MOE_VARIANTS, ids=str)
+def test_moe_params_and_flops_match_built_model(moe):
+    cfg = _moe_cfg(**moe)
+    torch.manual_seed(0)
+    model = _build_moe(cfg)
+    p = count_params(cfg)
+    assert p["total"] == sum(q.numel() for q in model.parameters())
+    E, k, S = moe["moe_num_experts"], moe["moe_top_k"], moe.get("moe_shared_experts", 0)
+    D, F, L = SMALL["d_model"], SMALL["d_ff"], SMALL["num_layers"]
+    assert p["total"] - p["active"] == L * (E - k) * 3 * D * F
+    # Dropless routing computes exactly k experts per token: FLOPs match the counter.
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, SMALL["vocab_size"], (1, SMALL["context_length"])))
+    flops = forward_flops(cfg)
+    assert flops["total"] == counter.get_total_flops()
+    T = SMALL["context_length"]
+    assert flops["ffn"] == L * (2 * T * D * E + (k + S) * 6 * T * D * F)
+
+
+def _saved_activation_bytes(model: torch.nn.Module, T: int, V: int) -> int:
+    """Bytes of distinct float storages autograd saves for one forward + loss (params excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if t.dtype.is_floating_point and ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, V, (1, T))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy(model(x), torch.roll(x, -1, 1))
+    return sum(seen.values())
+
+
+ACTIVATION_VARIANTS = [dict(), dict(ffn="silu"), dict(use_rmsnorm=False), dict(attention_backend="flash_torch")]
+
+
+@pytest.mark.parametrize("kwargs", ACTIVATION_VARIANTS, ids=[str(v) or "default" for v in ACTIVATION_VARIANTS])
+def test_activation_bytes_match_saved_tensors(kwargs):
+    cfg = ModelConfig(**SMALL, **kwargs)
+    torch.manual_seed(0)
+    measured = _saved_activation_bytes(build_model(cfg), cfg.context_length, cfg.vocab_size)
+    expected = activation_bytes_per_sequence(cfg)["total"]
+    # The formula leaves out O(T·H) row statistics and the RoPE rows: a few percent here.
+    assert expected <= measured <= 1.05 * expected
+
+
+def test_moe_activation_bytes_match_saved_tensors():
+    cfg = _moe_cfg(moe_num_experts=4, moe_top_k=2)
+    torch.manual_seed(0)
+    measured = _saved_activation_bytes(_build_moe(cfg), SMALL["context_length"], SMALL["vocab_size"])
+    expected = activation_bytes_per_sequence(cfg)["total"]
+    assert expected <= measured <= 1.05 * expected
+
+
+def test_report_keys_and_consistency():
+    cfg = ModelConfig(**SMALL)
+    report = account(cfg)
+    assert {"params", "forward_flops", "forward_flops_breakdown", "train_memory_bytes"} <= set(report)
+    assert set(report["forward_flops_breakdown"]) == {"qkvo", "attention", "ffn", "lm_head"}
+    assert set(report["train_memory_bytes"]) == {"static", "activations_per_sequence"}
+    assert sum(report["forward_flops_breakdown"].values()) == report["forward_flops"]
+    assert report["train_flops_per_sequence"] == 3 * report["forward_flops"]
+
+
+def _gpt2_xl_args() -> list[str]:
+    return [f"--model.{k}={v}" for k, v in GPT2_XL.items()]
+
+
+def test_account_command_json(capsys):
+    assert account_command([*_gpt2_xl_args(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("params", "forward_flops", "forward_flops_breakdown", "train_memory_bytes"):
+        assert key in out
+    assert out["params"] == 2_127_057_600
+    assert out["forward_flops"] == 4_513_336_524_800
+    assert set(out["forward_flops_breakdown"]) == {"qkvo", "attention", "ffn", "lm_head"}
+    assert out["train_memory_bytes"]["static"] == 34_032_921_600
+
+
+def test_account_command_table(capsys):
+    assert account_command([*_gpt2_xl_args(), "--memory-gib=80"]) == 0
+    out = capsys.readouterr().out
+    assert "2,127,057,600" in out and "4,513,336,524,800" in out and "max batch in 80 GiB" in out
+
+
+def test_account_command_presets(tmp_path, capsys):
+    full = tmp_path / "train.toml"
+    full.write_text("[model]\nd_model = 128\nnum_heads = 4\n[trainer]\nmax_steps = 3\n")
+    bare = tmp_path / "model.toml"
+    bare.write_text("d_model = 128\nnum_heads = 4\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(full.read_text())
+    expected = param_count(ModelConfig(d_model=128, num_heads=4, num_layers=6))
+    for source in (full, bare, run):
+        assert account_command([str(source), "--model.num_layers=6", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["params"] == expected
+
+
+def test_account_command_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        account_command(["--model.no_such_key=1"])
+    with pytest.raises(UserError):
+        account_command(["--trainer.max_steps=1"])
+    with pytest.raises(UserError):
+        account_command([str(tmp_path / "missing.toml")])
+    with pytest.raises(UserError):
+        account_command([str(tmp_path)])  # a directory without config.toml
