@@ -1,0 +1,607 @@
+"""FlashAttention-2 forward and backward in Triton.
+
+The algorithm is the one written out in plain PyTorch in ``flash_attention_torch.py`` (the
+reference the tests compare against); this file is the fast version:
+
+- forward: one program per (query tile, batch*head); streams over key/value tiles with an
+  online softmax in base 2 (``exp2`` with log2(e) folded into the score scale), saves the
+  output and one float32 log-sum-exp per query row (natural log, same as the reference).
+  Under causality, key tiles entirely above the diagonal are never visited, tiles strictly
+  below it run without any mask, and only the diagonal tiles pay for ``tl.where``.
+  Causal programs are launched longest-first so the tail of the grid is short work.
+- backward, FA2 style and without atomics: a preprocessing kernel computes
+  ``D = rowsum(dO * O)``; a dK/dV kernel owns one key tile and streams over query tiles;
+  a separate dQ kernel owns one query tile and streams over key tiles. Each output tile is
+  written exactly once.
+- ragged sequence lengths (any T) are handled by bounds masks that are compiled in only
+  when T is not a multiple of the tile sizes (``EVEN_*`` heuristics); head dims that are not
+  powers of two are padded to the next power of two with masked loads.
+- tile sizes are autotuned (configs chosen for H100/H200) for bf16/fp16 inputs of length
+  >= 1024 and fixed otherwise (so short test shapes do not pay for tuning). float32 inputs
+  use IEEE float32 dot products, not TF32.
+
+Composition with ``torch.compile``: the launchers are wrapped as ``torch.library.custom_op``s
+(``scratchlm::flash_attention_forward`` / ``_backward``) with fake (meta) implementations and
+an autograd formula, so Dynamo treats them as opaque graph nodes. On tensors that Triton cannot
+run (CPU, or no triton installed) the same ops fall back to the tiled PyTorch reference, so the
+op, its autograd and its compile path can be exercised anywhere.
+
+Triton is imported under a guard: importing this module on a machine without triton works
+(the model imports this module only when the "flash_triton" backend is chosen).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext as _nullcontext
+
+import torch
+
+try:  # triton is optional: CPU-only wheels of torch may not ship it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+from scratchlm.kernels.flash_attention_torch import (
+    flash_attention_backward_torch,
+    flash_attention_forward_torch,
+)
+
+__all__ = ["FlashAttentionTriton", "flash_attention", "triton_available"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Autotuning compiles and times every config once per (length, head dim, causal, dtype);
+# below this length fixed tiles are used instead.
+_AUTOTUNE_MIN_SEQ = 1024
+
+
+def triton_available() -> bool:
+    """True when triton could be imported (CUDA is checked separately, per tensor)."""
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    # Triton's CPU interpreter (numpy) runs these kernels on CPU tensors, for debugging.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _can_use_triton(t: torch.Tensor) -> bool:
+    return triton_available() and (t.is_cuda or _interpreting())
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() not in (3, 4):
+        raise ValueError(f"attention inputs must be (batch, seq, d) or (batch, heads, seq, d), got {tuple(q.shape)}")
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] > 256:
+        raise ValueError(f"head dimension {q.shape[-1]} > 256 is not supported")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _alloc_like(t: torch.Tensor) -> torch.Tensor:
+    # Keep the caller's memory layout (e.g. (B, T, H, d) transposed to (B, H, T, d)) when the
+    # last dim is unit-stride, so the model's transpose back is a view; the fake kernel uses
+    # the same rule, so eager and compiled outputs agree on strides.
+    if t.stride(-1) == 1:
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
+def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = _alloc_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, out))
+    lse3 = lse.unsqueeze(1) if q.dim() == 3 else lse
+    _launch_forward(q4, k4, v4, o4, lse3, is_causal, autotune=_should_autotune(q))
+    return out, lse
+
+
+def _backward_triton(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor,
+                     is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    tensors = [_as_4d(t) for t in (grad_out, q, k, v, out, dq, dk, dv)]
+    lse3 = lse.unsqueeze(1) if q.dim() == 3 else lse
+    _launch_backward(*tensors, lse3.contiguous(), is_causal, autotune=_should_autotune(q))
+    return dq, dk, dv
+
+
+def _should_autotune(q: torch.Tensor) -> bool:
+    return (q.is_cuda and not _interpreting() and q.shape[-2] >= _AUTOTUNE_MIN_SEQ
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128)
+
+
+# --- Triton kernels ---------------------------------------------------------------------------
+# Shapes inside kernels: one (batch, head) slice at a time; q/k/v/o rows are tokens with
+# unit stride along the head dim; L and D are contiguous (B*H, T) float32.
+
+if triton is not None:
+
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, N_CTX, qk_scale,
+                   offs_m, offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            cols = start_n + offs_n
+            kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
+            v_ptrs = v_base + cols[:, None] * stride_vt + offs_d[None, :]  # (BN, D)
+            if EVEN_N and EVEN_D:
+                kt = tl.load(kt_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=(cols[None, :] < N_CTX) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+                v = tl.load(v_ptrs, mask=(cols[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # log2 units
+            if CAUSAL_MASK:
+                qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
+            if not EVEN_N:
+                qk = tl.where(cols[None, :] < N_CTX, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
+                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                    stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                    H, N_CTX,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
+                    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        if IS_CAUSAL:  # longest rows first: the grid's tail is short work
+            start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        else:
+            start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        k_base = K + off_b * stride_kb + off_h * stride_kh
+        v_base = V + off_b * stride_vb + off_h * stride_vh
+        o_base = O + off_b * stride_ob + off_h * stride_oh
+
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        row_mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
+        if EVEN_M and EVEN_D:
+            q = tl.load(q_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634
+
+        if IS_CAUSAL:
+            # Strictly below the diagonal every key < start_m*BLOCK_M < N_CTX: no mask at all.
+            # The diagonal stage runs to the tile end and bounds-masks unless T fills both tiles.
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                       0, start_m * BLOCK_M, N_CTX, qk_scale, offs_m, offs_n, offs_d,
+                                       HEAD_DIM, BLOCK_N, False, True, EVEN_D, DOT_PRECISION)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                       start_m * BLOCK_M, (start_m + 1) * BLOCK_M,
+                                       N_CTX, qk_scale, offs_m, offs_n, offs_d,
+                                       HEAD_DIM, BLOCK_N, True, EVEN_M and EVEN_N, EVEN_D, DOT_PRECISION)
+        else:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                       0, N_CTX, N_CTX, qk_scale, offs_m, offs_n, offs_d,
+                                       HEAD_DIM, BLOCK_N, False, EVEN_N, EVEN_D, DOT_PRECISION)
+
+        acc = acc / l_i[:, None]
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log
+        o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
+        lse_ptrs = LSE + off_bh.to(tl.int64) * N_CTX + offs_m
+        if EVEN_M and EVEN_D:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+        else:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_mask)
+        if EVEN_M:
+            tl.store(lse_ptrs, lse)
+        else:
+            tl.store(lse_ptrs, lse, mask=offs_m < N_CTX)
+
+    @triton.jit
+    def _bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
+                               stride_dob, stride_doh, stride_dot, H, N_CTX,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
+        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                     mask=mask, other=0.0).to(tl.float32)
+        tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                        lo, hi, N_CTX, qk_scale, offs_n, offs_d,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                        EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        offs_m0 = tl.arange(0, BLOCK_M)
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            rows = start_m + offs_m0
+            qt_ptrs = q_base + rows[None, :] * stride_qt + offs_d[:, None]  # (D, BM)
+            do_ptrs = do_base + rows[:, None] * stride_dot + offs_d[None, :]  # (BM, D)
+            if EVEN_M and EVEN_D:
+                qt = tl.load(qt_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                qt = tl.load(qt_ptrs, mask=(rows[None, :] < N_CTX) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+                do = tl.load(do_ptrs, mask=(rows[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            if EVEN_M:
+                lse = tl.load(lse_base + rows)
+                delta = tl.load(delta_base + rows)
+            else:
+                lse = tl.load(lse_base + rows, mask=rows < N_CTX, other=0.0)
+                delta = tl.load(delta_base + rows, mask=rows < N_CTX, other=0.0)
+            qkt = tl.dot(k, qt, input_precision=DOT_PRECISION)  # (BN, BM)
+            pt = tl.math.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
+            if CAUSAL_MASK:
+                pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+            if not EVEN_M:
+                pt = tl.where(rows[None, :] < N_CTX, pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
+            dst = pt * (dpt - delta[None, :])
+            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, sm_scale,
+                         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                         stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                         stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                         H, N_CTX,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
+                         EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # Under causality the early key tiles see the most queries; they are launched first.
+        start_n = tl.program_id(0) * BLOCK_N
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_n[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
+        k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if EVEN_N and EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        lse_base = LSE + off_bh.to(tl.int64) * N_CTX
+        delta_base = DELTA + off_bh.to(tl.int64) * N_CTX
+        qk_scale = sm_scale * 1.4426950408889634
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if IS_CAUSAL:
+            # query tiles on the diagonal need the causal mask; the ones below it do not
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                     stride_dot, start_n, start_n + BLOCK_N, N_CTX,
+                                     qk_scale, offs_n, offs_d, HEAD_DIM, BLOCK_M, True, EVEN_M and EVEN_N,
+                                     EVEN_D, DOT_PRECISION)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                     stride_dot, start_n + BLOCK_N, N_CTX, N_CTX, qk_scale, offs_n, offs_d,
+                                     HEAD_DIM, BLOCK_M, False, EVEN_M, EVEN_D, DOT_PRECISION)
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                     stride_dot, 0, N_CTX, N_CTX, qk_scale, offs_n, offs_d,
+                                     HEAD_DIM, BLOCK_M, False, EVEN_M, EVEN_D, DOT_PRECISION)
+        dk = dk * sm_scale
+        dk_ptrs = DK + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :]
+        dv_ptrs = DV + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        if EVEN_N and EVEN_D:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, N_CTX,
+                      qk_scale, offs_m, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+        offs_n0 = tl.arange(0, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            cols = start_n + offs_n0
+            kt_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]  # (D, BN)
+            vt_ptrs = v_base + cols[None, :] * stride_vt + offs_d[:, None]  # (D, BN)
+            if EVEN_N and EVEN_D:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
+            else:
+                kv_mask = (cols[None, :] < N_CTX) & (offs_d[:, None] < HEAD_DIM)
+                kt = tl.load(kt_ptrs, mask=kv_mask, other=0.0)
+                vt = tl.load(vt_ptrs, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BM, BN)
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+            if CAUSAL_MASK:
+                p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+            if not EVEN_N:
+                p = tl.where(cols[None, :] < N_CTX, p, 0.0)
+            dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
+        return dq
+
+    @triton.jit
+    def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, sm_scale,
+                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                       stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                       stride_dqb, stride_dqh, stride_dqt,
+                       H, N_CTX,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
+                       EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        if IS_CAUSAL:
+            start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        else:
+            start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
+        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if EVEN_M and EVEN_D:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+            do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+        if EVEN_M:
+            lse = tl.load(LSE + off_bh.to(tl.int64) * N_CTX + offs_m)
+            delta = tl.load(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m)
+        else:
+            lse = tl.load(LSE + off_bh.to(tl.int64) * N_CTX + offs_m, mask=offs_m < N_CTX, other=0.0)
+            delta = tl.load(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, mask=offs_m < N_CTX, other=0.0)
+        lse = lse * 1.4426950408889634
+        k_base = K + off_b * stride_kb + off_h * stride_kh
+        v_base = V + off_b * stride_vb + off_h * stride_vh
+        qk_scale = sm_scale * 1.4426950408889634
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if IS_CAUSAL:
+            dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt,
+                               0, start_m * BLOCK_M, N_CTX, qk_scale, offs_m, offs_d,
+                               HEAD_DIM, BLOCK_N, False, True, EVEN_D, DOT_PRECISION)
+            dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt,
+                               start_m * BLOCK_M, (start_m + 1) * BLOCK_M, N_CTX,
+                               qk_scale, offs_m, offs_d, HEAD_DIM, BLOCK_N, True, EVEN_M and EVEN_N, EVEN_D,
+                               DOT_PRECISION)
+        else:
+            dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt,
+                               0, N_CTX, N_CTX, qk_scale, offs_m, offs_d,
+                               HEAD_DIM, BLOCK_N, False, EVEN_N, EVEN_D, DOT_PRECISION)
+        dq = dq * sm_scale
+        dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
+        if EVEN_M and EVEN_D:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+        else:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)
+
+    def _even(args):
+        return {"EVEN_M": args["N_CTX"] % args["BLOCK_M"] == 0, "EVEN_N": args["N_CTX"] % args["BLOCK_N"] == 0}
+
+    _even_heuristics = triton.heuristics({"EVEN_M": lambda a: _even(a)["EVEN_M"],
+                                          "EVEN_N": lambda a: _even(a)["EVEN_N"]})
+
+    def _configs(tiles):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+    def _prune(divides: str):
+        # The split into masked/unmasked causal ranges needs one tile size to divide the other;
+        # head dim 128 tiles of 128x128 with deep pipelines do not fit in shared memory.
+        def prune(configs, named_args, **kwargs):
+            big_d = {**named_args, **kwargs}["BLOCK_D"] > 64
+            keep = []
+            for c in configs:
+                m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+                if (m % n if divides == "n|m" else n % m) != 0:
+                    continue
+                if big_d and m * n > 128 * 64 and c.num_stages > 2:
+                    continue
+                keep.append(c)
+            return keep or configs[:1]
+        return prune
+
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen for Hopper (H100/H200).
+    _FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
+                  (64, 64, 4, 4), (128, 128, 8, 3)]
+    _DKDV_TILES = [(32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+                   (16, 128, 4, 4)]
+    _DQ_TILES = [(128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
+    _TUNE_KEY = ["N_CTX", "HEAD_DIM", "IS_CAUSAL"]
+
+    _fwd_fixed = _even_heuristics(_fwd_kernel)
+    _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY,
+                                 prune_configs_by={"early_config_prune": _prune("n|m")})(_fwd_fixed)
+    _dkdv_fixed = _even_heuristics(_bwd_dkdv_kernel)
+    _dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY,
+                                  prune_configs_by={"early_config_prune": _prune("m|n")})(_dkdv_fixed)
+    _dq_fixed = _even_heuristics(_bwd_dq_kernel)
+    _dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY,
+                                prune_configs_by={"early_config_prune": _prune("n|m")})(_dq_fixed)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _fixed_tiles(dtype: torch.dtype, block_d: int) -> dict[str, tuple[int, int, int, int]]:
+    # Small fixed tiles: valid for every dtype and head dim up to 256 within shared memory.
+    if dtype == torch.float32 or block_d > 128:
+        return {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+    return {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 32, 4, 3)}
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _fixed_meta(tiles: tuple[int, int, int, int]) -> dict:
+    m, n, w, s = tiles
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+
+
+def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None:
+    B, H, T, D = q.shape
+    block_d = _block_d(D)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=D == block_d,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    args = (q, k, v, o, lse, 1.0 / math.sqrt(D), *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, T)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
+        if autotune:
+            _fwd_tuned[grid](*args, **common)
+        else:
+            _fwd_fixed[grid](*args, **common, **_fixed_meta(_fixed_tiles(q.dtype, block_d)["fwd"]))
+
+
+def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotune: bool) -> None:
+    B, H, T, D = q.shape
+    block_d = _block_d(D)
+    sm_scale = 1.0 / math.sqrt(D)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=D == block_d,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    tiles = _fixed_tiles(q.dtype, block_d)
+    delta = torch.empty_like(lse)
+    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
+        pre_m = 64
+        _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), B * H)](
+            o, do, delta, *_strides(o), *_strides(do), H, T, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m)
+        dkdv_args = (q, k, v, do, dk, dv, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+                     *_strides(do), *_strides(dk), *_strides(dv), H, T)
+        dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
+        dq_args = (q, k, v, do, dq, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+                   *_strides(do), *_strides(dq), H, T)
+        dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+        if autotune:
+            _dkdv_tuned[dkdv_grid](*dkdv_args, **common)
+            _dq_tuned[dq_grid](*dq_args, **common)
+        else:
+            _dkdv_fixed[dkdv_grid](*dkdv_args, **common, **_fixed_meta(tiles["dkdv"]))
+            _dq_fixed[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"]))
+
+
+# --- custom ops: opaque to torch.compile, with fake kernels and an autograd formula -----------
+
+@torch.library.custom_op("scratchlm::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) for (B, T, d) or (B, H, T, d) inputs; L is float32 of shape q.shape[:-1]."""
+    _check_inputs(q, k, v)
+    if _can_use_triton(q):
+        return _forward_triton(q, k, v, is_causal)
+    out, lse = flash_attention_forward_torch(q, k, v, is_causal)
+    return out, lse.float()
+
+
+@flash_attention_forward_op.register_fake
+def _forward_fake(q, k, v, is_causal):
+    _check_inputs(q, k, v)
+    return _alloc_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("scratchlm::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) recomputing attention probabilities from (q, k, L)."""
+    if _can_use_triton(q):
+        return _backward_triton(grad_out, q, k, v, out, lse, is_causal)
+    dq, dk, dv = flash_attention_backward_torch(q, k, v, out, lse, grad_out, is_causal)
+    # custom ops may not return views of inputs; these are fresh, but keep the fake's layout.
+    return tuple(_alloc_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
+
+
+@flash_attention_backward_op.register_fake
+def _backward_fake(grad_out, q, k, v, out, lse, is_causal):
+    return _alloc_like(q), _alloc_like(k), _alloc_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.is_causal = is_causal
+
+
+def _op_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward_op(grad_out, q, k, v, out, lse, ctx.is_causal)
+    return dq, dk, dv, None
+
+
+flash_attention_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    is_causal: bool = False) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(d)) v through the Triton kernels; (B, T, d) or (B, H, T, d)."""
+    return flash_attention_forward_op(q, k, v, is_causal)[0]
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 (Triton) as an autograd.Function.
+
+    ``FlashAttentionTriton.apply(q, k, v, is_causal=False)`` on (batch, seq, d) or
+    (batch, heads, seq, d) tensors of float16/bfloat16/float32 on a CUDA device; saves q, k, v,
+    O and one float32 log-sum-exp tensor of shape q.shape[:-1] for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                is_causal: bool = False) -> torch.Tensor:
+        out, lse = flash_attention_forward_op(q, k, v, is_causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward_op(grad_out, q, k, v, out, lse, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, is_causal: bool,
+                    mode: str = "forward") -> float:
+    """Matmul FLOPs of attention: 4·B·H·T²·d forward (halved when causal), 2.5x that backward."""
+    flops = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if is_causal else 1.0)
+    return {"forward": flops, "backward": 2.5 * flops, "forward_backward": 3.5 * flops}[mode]
+
