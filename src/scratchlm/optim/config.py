@@ -4,15 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULE_NAMES = ("cosine", "linear", "constant")
+
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate after warm-up
-    min_lr: float = 1e-4  # floor reached at the end of the cosine
-    warmup_steps: int = 100  # linear warm-up from 0
-    cosine_steps: int | None = None  # end of the cosine; None = trainer.max_steps
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # decoupled (AdamW) decay
+    min_lr: float = 1e-4  # floor reached at the end of the decay (cosine/linear)
+    warmup_steps: int = 100  # linear warm-up from 0 over this many optimizer steps
+    cosine_steps: int | None = None  # step at which the decay reaches min_lr; None = trainer.max_steps
+    schedule: str = "cosine"  # "cosine", "linear" (decay) or "constant" (after warm-up)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay (0.95 is steadier than 0.999 for LMs)
+    eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.1  # decoupled (AdamW) decay of matrices
+    decay_vectors: bool = False  # also decay 1-D parameters (RMSNorm gains); off as usual for LMs
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
+    foreach: bool | None = None  # multi-tensor AdamW path; None = on for CUDA, off elsewhere
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise ValueError(f"optim.lr and optim.min_lr must be >= 0, got {self.lr} and {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"optim.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.grad_clip < 0 or self.weight_decay < 0 or self.eps < 0:
+            raise ValueError("optim.grad_clip, optim.weight_decay and optim.eps must be >= 0")

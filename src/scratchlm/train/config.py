@@ -14,21 +14,45 @@ from scratchlm.parallel.config import ParallelConfig
 class TrainerConfig:
     out_dir: str = "runs/default"  # run directory (config, metrics, checkpoints, plots)
     batch_size: int = 32  # sequences per optimizer step (global, across accumulation and ranks)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
     max_steps: int = 5000  # optimizer steps
     eval_interval: int = 500  # steps between validation passes; 0 = only at the end
     eval_batches: int = 20  # batches per validation pass
-    log_interval: int = 10  # steps between console/metrics lines
+    eval_at_start: bool = True  # also evaluate before the first step (the baseline loss)
+    log_interval: int = 10  # steps between console/metrics lines (train loss is averaged over them)
     checkpoint_interval: int = 1000  # steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2  # newest step directories kept
-    seed: int = 0
+    keep_checkpoints: int = 2  # newest step directories kept (older ones are deleted)
+    seed: int = 0  # seeds python, numpy, torch and the data sampler
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16"
     compile: bool = False  # torch.compile the model
-    deterministic: bool = False  # torch.use_deterministic_algorithms(True)
-    sample_tokens: int = 0  # tokens sampled at the end of training (0 = none)
+    activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)
+    progress: bool = True  # show a tqdm progress bar (log lines are printed either way)
+    sample_tokens: int = 0  # tokens sampled per prompt at the end of training (0 = none)
+    sample_prompts: list[str] = field(default_factory=list)  # prompts for the samples; empty = one from <|endoftext|>
+    sample_temperature: float = 0.8  # sampling temperature of the end-of-training samples
+    sample_top_p: float = 0.95  # nucleus threshold of the end-of-training samples
     wandb_project: str = ""  # log to Weights & Biases when set and wandb is installed
     tensorboard: bool = False  # also write TensorBoard events when tensorboard is installed
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum_steps", "eval_batches", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"trainer.{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"trainer.batch_size ({self.batch_size}) must be divisible by "
+                f"trainer.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"trainer.dtype must be 'auto', 'fp32' or 'bf16', got {self.dtype!r}")
 
 
 @dataclass

@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from scratchlm.config import config_to_toml, load_config
+from scratchlm.model.accounting import param_count
+from scratchlm.train.config import TrainConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESETS = sorted(p.stem for p in CONFIGS.glob("*.toml"))
+
+
+def test_every_expected_preset_exists():
+    expected = {"quickstart", "tiny-cpu", "tinystories-17m", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+    assert expected <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_round_trips(name, tmp_path):
+    cfg = load_config(TrainConfig, name)
+    again = tmp_path / "resolved.toml"
+    again.write_text(config_to_toml(cfg))
+    assert load_config(TrainConfig, again) == cfg
+    assert cfg.trainer.batch_size % cfg.trainer.grad_accum_steps == 0
+
+
+def test_preset_shapes():
+    shapes = {  # d_model, d_ff, layers, heads
+        "gpt2-small": (768, 3072, 12, 12), "gpt2-medium": (1024, 4096, 24, 16),
+        "gpt2-large": (1280, 5120, 36, 20), "gpt2-xl": (2560, 10240, 32, 32),
+        "tinystories-17m": (512, 1344, 4, 16),
+    }
+    for name, shape in shapes.items():
+        m = load_config(TrainConfig, name).model
+        assert (m.d_model, m.d_ff, m.num_layers, m.num_heads) == shape, name
+    ts = load_config(TrainConfig, "tinystories-17m")
+    assert (ts.model.context_length, ts.model.vocab_size, ts.model.rope_theta) == (256, 10000, 10000.0)
+    assert (ts.trainer.batch_size, ts.trainer.max_steps, ts.optim.schedule) == (32, 5000, "cosine")
+
+
+def test_small_presets_build_a_model_of_the_accounted_size():
+    from scratchlm.model.transformer import build_model
+
+    for name in ("quickstart", "tiny-cpu"):
+        cfg = load_config(TrainConfig, name).model
+        model = build_model(cfg, device="meta")
+        assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
