@@ -1,0 +1,157 @@
+"""Hugging Face Llama bridge: same logits as LlamaForCausalLM, round trips, export directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scratchlm.errors import UserError
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.hf import (
+    check_exportable,
+    export_hf,
+    from_hf_state_dict,
+    half_to_interleaved,
+    hf_config,
+    interleaved_to_half,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
+from scratchlm.model.transformer import build_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=101, context_length=32, d_model=48, num_layers=2, num_heads=4, d_ff=80, rope_theta=500.0)
+
+
+def _model(seed: int = 0, **kwargs):
+    cfg = ModelConfig(**TINY, **kwargs)
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():  # RMSNorm weights start at 1; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                p.uniform_(0.5, 1.5)
+    return model.eval(), cfg
+
+
+def _llama(cfg, state):
+    config = transformers.LlamaConfig(**hf_config(cfg))
+    config._attn_implementation = "eager"
+    llama = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = llama.load_state_dict(state, strict=False)
+    assert not unexpected
+    assert all(k == "lm_head.weight" for k in missing) and (not missing or cfg.tie_embeddings)
+    if cfg.tie_embeddings:
+        assert llama.lm_head.weight.data_ptr() == llama.model.embed_tokens.weight.data_ptr()
+    return llama
+
+
+def test_rope_permutation_is_the_documented_order_and_inverts():
+    w = torch.arange(2 * 6, dtype=torch.float32)[:, None].repeat(1, 3)  # 2 heads of 6 rows
+    half = interleaved_to_half(w, num_heads=2)
+    assert half[:, 0].tolist() == [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
+    torch.testing.assert_close(half_to_interleaved(half, num_heads=2), w)
+    with pytest.raises(ValueError):
+        interleaved_to_half(torch.zeros(10, 3), num_heads=2)  # odd head size
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_llama(tie):
+    model, cfg = _model(tie_embeddings=tie)
+    llama = _llama(cfg, to_hf_state_dict(model.state_dict(), cfg))
+    ids = torch.randint(0, cfg.vocab_size, (3, cfg.context_length))
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = llama(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_differ_without_the_permutation():
+    # Guards the test above: the permutation is needed (so the comparison can fail).
+    model, cfg = _model()
+    state = to_hf_state_dict(model.state_dict(), cfg)
+    for key in list(state):
+        if key.endswith(("q_proj.weight", "k_proj.weight")):
+            state[key] = half_to_interleaved(state[key], cfg.num_heads)
+    llama = _llama(cfg, state)
+    ids = torch.randint(0, cfg.vocab_size, (1, cfg.context_length))
+    with torch.no_grad():
+        assert (model(ids) - llama(input_ids=ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_round_trip(tie):
+    model, cfg = _model(seed=1, tie_embeddings=tie)
+    sd = model.state_dict()
+    back = from_hf_state_dict(to_hf_state_dict(sd, cfg), cfg)
+    assert set(sd) <= set(back)
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+    # From a Hugging Face model into a fresh scratchlm model: same logits.
+    llama = _llama(cfg, to_hf_state_dict(sd, cfg))
+    cfg2 = model_config_from_hf(llama.config.to_dict())
+    assert cfg2 == cfg
+    fresh = build_model(cfg2).eval()
+    fresh.load_state_dict(from_hf_state_dict(llama.state_dict(), cfg2))
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), model(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(norm_position="post"), dict(use_rmsnorm=False), dict(use_rope=False), dict(ffn="silu")]
+)
+def test_non_llama_variants_refused(kwargs, tmp_path):
+    model, cfg = _model(**kwargs)
+    with pytest.raises(UserError, match="default Llama architecture"):
+        check_exportable(cfg)
+    with pytest.raises(UserError):
+        export_hf(model, cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+class _FakeTokenizer:
+    """Writes a byte-level BPE tokenizer.json like the scratchlm Tokenizer directory holds."""
+
+    def __init__(self, vocab_size: int) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tok.train_from_iterator(["the cat sat on the mat", "a dog ate the hat"] * 20, trainer)
+        self.hf = tok
+
+    def save(self, directory) -> None:
+        self.hf.save(f"{directory}/tokenizer.json")
+
+
+def test_export_directory_loads_in_transformers(tmp_path):
+    model, cfg = _model(seed=2)
+    tok = _FakeTokenizer(cfg.vocab_size)
+    out = tmp_path / "hf"
+    written = export_hf(model, cfg, out, tokenizer=tok)
+    names = {p.name for p in written}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    eos = tok.hf.token_to_id("<|endoftext|>")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == eos
+    assert config["num_key_value_heads"] == cfg.num_heads and config["max_position_embeddings"] == cfg.context_length
+
+    llama = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(llama(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "the cat ate the hat<|endoftext|>a dog"
+    assert hf_tok(text)["input_ids"] == tok.hf.encode(text).ids
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == eos
