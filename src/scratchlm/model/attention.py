@@ -1,0 +1,138 @@
+"""Causal multi-head self-attention with optional RoPE, KV cache and fast kernels.
+
+Backends: "math" runs `functional.scaled_dot_product_attention` with an explicit boolean mask
+(the reference, and the only path that handles padding masks and cached decoding);
+"flash_torch" / "flash_triton" call the tiled FlashAttention `autograd.Function`s from
+`scratchlm.kernels`, imported on first use so the model does not depend on Triton. The fast
+backends only know `is_causal`, so calls with a KV cache or a padding mask fall back to "math";
+so do "flash_triton" calls on CPU tensors (a GPU-trained checkpoint still samples on a laptop).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from scratchlm.model.functional import causal_mask, scaled_dot_product_attention
+from scratchlm.model.layers import Linear
+from scratchlm.model.rope import RotaryEmbedding
+
+BACKENDS: dict[str, tuple[str, str] | None] = {
+    "math": None,
+    "flash_torch": ("scratchlm.kernels.flash_attention_torch", "FlashAttentionTorch"),
+    "flash_triton": ("scratchlm.kernels.flash_attention_triton", "FlashAttentionTriton"),
+}
+
+
+def load_backend(name: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None:
+    """The `apply(q, k, v, is_causal)` of a fast backend, or None for "math"."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    target = BACKENDS[name]
+    if target is None:
+        return None
+    module, cls = target
+    return getattr(importlib.import_module(module), cls).apply
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Causal self-attention: x (B, T, d_model) -> (B, T, d_model).
+
+    Submodules q_proj, k_proj, v_proj, output_proj (all d_model x d_model, bias-free). With a
+    `rope`, queries and keys are rotated per head (d_k = d_model / num_heads). `layer_idx`
+    names this layer's slot in a KV cache.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        rope: RotaryEmbedding | None = None,
+        *,
+        backend: str = "math",
+        layer_idx: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        if rope is not None and rope.d_k != self.head_dim:
+            raise ValueError(f"rope.d_k ({rope.d_k}) must equal d_model / num_heads ({self.head_dim})")
+        self.rope = rope
+        self.backend = backend
+        self.layer_idx = layer_idx
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
+        self._flash: Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None = None  # resolved on first use
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+
+    def forward(
+        self,
+        x: Tensor,
+        token_positions: Tensor | None = None,
+        kv_cache: Any = None,
+        *,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, T, d_model); token_positions: (T,) or (B, T); attention_mask: (B, T) bool,
+        True at real (non-padding) tokens, only without a cache (a cache keeps its own).
+
+        With a `kv_cache` (see `scratchlm.infer.kv_cache.KVCache`), the new keys/values are
+        appended to this layer's slot and the queries attend to everything cached so far;
+        positions then default to those that follow the cached ones.
+        """
+        B, T, _ = x.shape
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        v = self._split_heads(self.v_proj(x))
+
+        if self.rope is not None:
+            if token_positions is None:
+                token_positions = (
+                    kv_cache.positions(T, layer_idx=self.layer_idx, device=x.device) if kv_cache is not None else None
+                )
+            pos = token_positions
+            if pos is not None and pos.dim() >= 2:
+                pos = pos.unsqueeze(-2)  # (B, 1, T): broadcast over heads
+            q = self.rope(q, pos)
+            k = self.rope(k, pos)
+
+        if kv_cache is not None:
+            if attention_mask is not None:
+                raise ValueError("with a kv_cache, padding is given to the cache, not as attention_mask")
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, L, d)
+            L = k.shape[-2]
+            mask = causal_mask(T, L, device=x.device)  # (T, L)
+            key_mask = kv_cache.key_mask(L)  # (B, L) or None
+            if key_mask is not None:
+                mask = mask & key_mask[:, None, None, :]  # (B, 1, T, L)
+            out = scaled_dot_product_attention(q, k, v, mask)
+        elif attention_mask is not None:
+            mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
+            out = scaled_dot_product_attention(q, k, v, mask)
+        elif self.backend != "math" and not (self.backend == "flash_triton" and not x.is_cuda):
+            if self._flash is None:
+                self._flash = load_backend(self.backend)
+            out = self._flash(q, k, v, True)
+        else:
+            out = scaled_dot_product_attention(q, k, v, causal_mask(T, device=x.device))
+
+        out = out.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, d_model)
+        return self.output_proj(out)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}"

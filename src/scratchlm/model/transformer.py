@@ -1,0 +1,282 @@
+"""The decoder-only Transformer LM (Llama layout) and its ablation variants.
+
+Default architecture: token embedding -> num_layers x [x + attn(ln1(x)); x + ffn(ln2(x))]
+-> ln_final -> lm_head, with RMSNorm, RoPE, SwiGLU, causal attention, no biases.
+
+Variants (keyword options, the field names of `ModelConfig`), and what they do to the
+state_dict (default keys are listed in DESIGN.md):
+- norm_position="post": x = ln1(x + attn(x)); x = ln2(x + ffn(x)). Same keys; ln_final is
+  kept so every layout loads the same way.
+- use_rmsnorm=False: ln1, ln2 and ln_final are identities, so their `.weight` keys are absent.
+- use_rope=False (NoPE): no positional information except the causal mask; no keys change
+  (RoPE has no parameters).
+- ffn="silu": ungated `w2(silu(w1 x))`, so `ffn.w3.weight` is absent. ffn="moe" asks
+  `scratchlm.model.moe.build_moe_ffn(d_model, d_ff, device=, dtype=, **moe_options)` for the
+  module (build_model takes the options from the config's `moe_*` fields through
+  `scratchlm.model.moe.moe_options(cfg)`); the keys under `ffn.` are then the MoE's own.
+- tie_embeddings=True: `lm_head.weight` *is* `token_embeddings.weight` (one Parameter, so
+  `model.lm_head.weight` works everywhere). The state_dict then holds only
+  `token_embeddings.weight` (safetensors refuses aliased tensors), and loading accepts a
+  state dict with or without `lm_head.weight` (if present it must equal the embedding). The
+  shared matrix gets the lm_head's initialisation: the N(0, 1) embedding scale would start
+  training with logits of std sqrt(d_model).
+- attention_backend: "math", "flash_torch" or "flash_triton" (see attention.py); no keys change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.layers import Embedding, Linear, RMSNorm, SiLUFFN, SwiGLU
+from scratchlm.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from scratchlm.model.config import ModelConfig
+
+
+def _make_norm(use_rmsnorm: bool, d_model: int, eps: float, device, dtype) -> nn.Module:
+    return RMSNorm(d_model, eps=eps, device=device, dtype=dtype) if use_rmsnorm else nn.Identity()
+
+
+def _moe_module():
+    """scratchlm.model.moe, imported only when an MoE FFN is asked for."""
+    from scratchlm.errors import UserError
+
+    try:
+        moe = importlib.import_module("scratchlm.model.moe")
+    except ModuleNotFoundError as e:
+        if e.name != "scratchlm.model.moe":
+            raise
+        raise UserError("model.ffn='moe' is not available: scratchlm.model.moe is not installed") from None
+    if not hasattr(moe, "build_moe_ffn"):
+        raise UserError("model.ffn='moe' is not available: scratchlm.model.moe has no build_moe_ffn")
+    return moe
+
+
+def _make_ffn(kind: str, d_model: int, d_ff: int, moe_options: dict[str, Any] | None, device, dtype) -> nn.Module:
+    if kind == "swiglu":
+        return SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "silu":
+        return SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "moe":
+        return _moe_module().build_moe_ffn(d_model, d_ff, device=device, dtype=dtype, **(moe_options or {}))
+    raise ValueError(f"unknown ffn {kind!r}; choose 'swiglu', 'silu' or 'moe'")
+
+
+class TransformerBlock(nn.Module):
+    """One residual block: x (B, T, d_model) -> (B, T, d_model). Submodules ln1, attn, ln2, ffn.
+
+    Builds its own RotaryEmbedding(rope_theta, d_model / num_heads, max_seq_len) unless a
+    shared `rope` is passed (TransformerLM shares one across its blocks) or use_rope=False.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        max_seq_len: int,
+        rope_theta: float,
+        *,
+        norm_position: str = "pre",
+        use_rmsnorm: bool = True,
+        use_rope: bool = True,
+        ffn: str = "swiglu",
+        attention_backend: str = "math",
+        rmsnorm_eps: float = 1e-5,
+        moe_options: dict[str, Any] | None = None,
+        rope: RotaryEmbedding | None = None,
+        layer_idx: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
+        self.norm_position = norm_position
+        if use_rope and rope is None:
+            rope = RotaryEmbedding(rope_theta, d_model // num_heads, max_seq_len, device=device)
+        self.ln1 = _make_norm(use_rmsnorm, d_model, rmsnorm_eps, device, dtype)
+        self.attn = MultiHeadSelfAttention(
+            d_model,
+            num_heads,
+            rope if use_rope else None,
+            backend=attention_backend,
+            layer_idx=layer_idx,
+            device=device,
+            dtype=dtype,
+        )
+        self.ln2 = _make_norm(use_rmsnorm, d_model, rmsnorm_eps, device, dtype)
+        self.ffn = _make_ffn(ffn, d_model, d_ff, moe_options, device, dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        token_positions: Tensor | None = None,
+        kv_cache: Any = None,
+        *,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        if self.norm_position == "pre":
+            x = x + self.attn(self.ln1(x), token_positions, kv_cache, attention_mask=attention_mask)
+            return x + self.ffn(self.ln2(x))
+        x = self.ln1(x + self.attn(x, token_positions, kv_cache, attention_mask=attention_mask))
+        return self.ln2(x + self.ffn(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: token ids (B, T) -> logits (B, T, vocab_size), for T <= context_length.
+
+    Submodules token_embeddings, layers (ModuleList of TransformerBlock), ln_final, lm_head.
+    Variants are keyword options; see the module docstring for each and its state_dict keys.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int,
+        rope_theta: float = 10_000.0,
+        *,
+        norm_position: str = "pre",
+        use_rmsnorm: bool = True,
+        use_rope: bool = True,
+        ffn: str = "swiglu",
+        tie_embeddings: bool = False,
+        attention_backend: str = "math",
+        rmsnorm_eps: float = 1e-5,
+        moe_options: dict[str, Any] | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.d_model = d_model
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.tie_embeddings = tie_embeddings
+        self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        # One RoPE table shared by all blocks: it has no parameters and is the same everywhere.
+        rope = RotaryEmbedding(rope_theta, d_model // num_heads, context_length, device=device) if use_rope else None
+        self.layers = nn.ModuleList(
+            TransformerBlock(
+                d_model,
+                num_heads,
+                d_ff,
+                context_length,
+                rope_theta,
+                norm_position=norm_position,
+                use_rmsnorm=use_rmsnorm,
+                use_rope=use_rope,
+                ffn=ffn,
+                attention_backend=attention_backend,
+                rmsnorm_eps=rmsnorm_eps,
+                moe_options=moe_options,
+                rope=rope,
+                layer_idx=i,
+                device=device,
+                dtype=dtype,
+            )
+            for i in range(num_layers)
+        )
+        self.ln_final = _make_norm(use_rmsnorm, d_model, rmsnorm_eps, device, dtype)
+        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        if tie_embeddings:
+            self.token_embeddings.weight = self.lm_head.weight
+            self.register_state_dict_post_hook(_drop_tied_lm_head)
+            self.register_load_state_dict_pre_hook(_accept_tied_lm_head)
+
+    def hidden_states(
+        self,
+        token_ids: Tensor,
+        token_positions: Tensor | None = None,
+        kv_cache: Any = None,
+        *,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The final normalised residual stream, (B, T, d_model): what lm_head is applied to.
+
+        token_ids: (B, T) int. token_positions: (T,) or (B, T); defaults to 0 .. T-1, or with
+        a `kv_cache` to the positions after those already cached. attention_mask: (B, T)
+        bool, True at real tokens (left padding), for uncached calls only.
+        """
+        T = token_ids.shape[-1]
+        if kv_cache is None and T > self.context_length:
+            raise ValueError(f"sequence of {T} tokens exceeds context_length={self.context_length}")
+        if kv_cache is not None and token_positions is None:
+            token_positions = kv_cache.positions(T, device=token_ids.device)
+            end = kv_cache.seq_len + T - kv_cache.min_pad
+            if end > self.context_length:
+                raise ValueError(
+                    f"a KV cache holding {kv_cache.seq_len - kv_cache.min_pad} tokens cannot take {T} more: "
+                    f"context_length={self.context_length}"
+                )
+        if token_positions is None and attention_mask is not None:
+            # Left padding: a row's first real token is position 0.
+            token_positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        x = self.token_embeddings(token_ids)  # (B, T, d_model)
+        for layer in self.layers:
+            x = layer(x, token_positions, kv_cache, attention_mask=attention_mask)
+        return self.ln_final(x)
+
+    def forward(
+        self,
+        token_ids: Tensor,
+        token_positions: Tensor | None = None,
+        kv_cache: Any = None,
+        *,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, T, vocab_size); arguments as in `hidden_states`."""
+        return self.lm_head(self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask))
+
+
+def _drop_tied_lm_head(module: nn.Module, state_dict: dict[str, Tensor], prefix: str, local_metadata) -> None:
+    state_dict.pop(prefix + "lm_head.weight", None)
+
+
+def _accept_tied_lm_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args) -> None:
+    # Both submodules load the shared Parameter, so give each its key (copying it twice is harmless).
+    emb_key, head_key = prefix + "token_embeddings.weight", prefix + "lm_head.weight"
+    emb, head = state_dict.get(emb_key), state_dict.get(head_key)
+    if emb is None and head is not None:
+        state_dict[emb_key] = head
+    elif head is None and emb is not None:
+        state_dict[head_key] = emb
+    elif emb is not None and emb is not head and not torch.equal(emb, head.to(emb.device, emb.dtype)):
+        raise ValueError(
+            "this model ties lm_head to token_embeddings, but the state dict has different "
+            "lm_head.weight and token_embeddings.weight (an untied checkpoint)"
+        )
+
+
+def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
+    """The TransformerLM described by a ModelConfig, built directly on `device` in `dtype`."""
+    return TransformerLM(
+        vocab_size=cfg.vocab_size,
+        context_length=cfg.context_length,
+        d_model=cfg.d_model,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        rope_theta=cfg.rope_theta,
+        norm_position=cfg.norm_position,
+        use_rmsnorm=cfg.use_rmsnorm,
+        use_rope=cfg.use_rope,
+        ffn=cfg.ffn,
+        tie_embeddings=cfg.tie_embeddings,
+        attention_backend=cfg.attention_backend,
+        rmsnorm_eps=cfg.rmsnorm_eps,
+        moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
+        device=device,
+        dtype=dtype,
+    )

@@ -1,0 +1,214 @@
+import pytest
+import torch
+
+from scratchlm.errors import UserError
+from scratchlm.infer.kv_cache import KVCache
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.functional import cross_entropy
+from scratchlm.model.transformer import TransformerBlock, TransformerLM, build_model
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matmuls on a loaded machine run far slower with several intra-op threads.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = dict(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64, rope_theta=10_000.0)
+
+
+def _expected_keys(num_layers, *, norms=True, w3=True, lm_head=True):
+    keys = ["token_embeddings.weight"]
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        keys += [p + "ln1.weight"] if norms else []
+        keys += [p + f"attn.{n}_proj.weight" for n in ("q", "k", "v", "output")]
+        keys += [p + "ln2.weight"] if norms else []
+        keys += [p + "ffn.w1.weight", p + "ffn.w2.weight"] + ([p + "ffn.w3.weight"] if w3 else [])
+    keys += ["ln_final.weight"] if norms else []
+    keys += ["lm_head.weight"] if lm_head else []
+    return keys
+
+
+def test_state_dict_keys_exact():
+    model = TransformerLM(**TINY)
+    assert list(model.state_dict()) == _expected_keys(2)
+    sd = model.state_dict()
+    assert sd["layers.0.ffn.w1.weight"].shape == (64, 32)
+    assert sd["lm_head.weight"].shape == (50, 32)
+
+
+def test_variant_state_dict_keys():
+    assert list(TransformerLM(**TINY, use_rmsnorm=False).state_dict()) == _expected_keys(2, norms=False)
+    assert list(TransformerLM(**TINY, ffn="silu").state_dict()) == _expected_keys(2, w3=False)
+    assert list(TransformerLM(**TINY, use_rope=False).state_dict()) == _expected_keys(2)
+    assert list(TransformerLM(**TINY, norm_position="post").state_dict()) == _expected_keys(2)
+    assert list(TransformerLM(**TINY, tie_embeddings=True).state_dict()) == _expected_keys(2, lm_head=False)
+
+
+def test_tied_embeddings_share_one_parameter_and_load_both_ways():
+    model = TransformerLM(**TINY, tie_embeddings=True)
+    assert model.lm_head.weight is model.token_embeddings.weight
+    n_untied = sum(p.numel() for p in TransformerLM(**TINY).parameters())
+    assert sum(p.numel() for p in model.parameters()) == n_untied - 50 * 32
+    other = TransformerLM(**TINY, tie_embeddings=True)
+    sd = model.state_dict()
+    other.load_state_dict(sd)  # only token_embeddings.weight
+    assert torch.equal(other.lm_head.weight, model.lm_head.weight)
+    other = TransformerLM(**TINY, tie_embeddings=True)
+    other.load_state_dict({**sd, "lm_head.weight": sd["token_embeddings.weight"].clone()})  # both keys
+    assert torch.equal(other.lm_head.weight, model.lm_head.weight)
+    assert other.lm_head.weight is other.token_embeddings.weight
+    untied_sd = TransformerLM(**TINY).state_dict()
+    with pytest.raises(ValueError, match="ties lm_head"):
+        other.load_state_dict(untied_sd)
+
+
+def test_load_state_dict_roundtrip_gives_same_logits():
+    model, other = TransformerLM(**TINY), TransformerLM(**TINY)
+    other.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 50, (2, 10))
+    torch.testing.assert_close(model(ids), other(ids))
+
+
+def test_shapes_and_any_length():
+    model = TransformerLM(**TINY)
+    for T in (1, 7, 16):
+        assert model(torch.randint(0, 50, (3, T))).shape == (3, T, 50)
+    assert model.hidden_states(torch.randint(0, 50, (3, 5))).shape == (3, 5, 32)
+    with pytest.raises(ValueError, match="context_length"):
+        model(torch.randint(0, 50, (1, 17)))
+
+
+def test_forward_is_lm_head_of_hidden_states():
+    model = TransformerLM(**TINY)
+    ids = torch.randint(0, 50, (2, 8))
+    torch.testing.assert_close(model(ids), model.hidden_states(ids) @ model.lm_head.weight.t())
+
+
+VARIANTS = [
+    {},
+    {"norm_position": "post"},
+    {"use_rmsnorm": False},
+    {"use_rope": False},
+    {"ffn": "silu"},
+    {"tie_embeddings": True},
+    {"attention_backend": "flash_torch"},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default")
+def test_variants_are_causal(variant):
+    torch.manual_seed(0)
+    model = TransformerLM(**TINY, **variant, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 12))
+    changed = ids.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 50
+    a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :8], b[:, :8], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_variants_differ_from_default():
+    ids = torch.randint(0, 50, (2, 12))
+    base = TransformerLM(**TINY)
+    sd = base.state_dict()
+    ref = base(ids)
+    for variant in VARIANTS[1:5]:
+        model = TransformerLM(**TINY, **variant)
+        model.load_state_dict({k: v for k, v in sd.items() if k in model.state_dict()})
+        assert not torch.allclose(model(ids), ref, atol=1e-4), variant
+    flash = TransformerLM(**TINY, attention_backend="flash_torch")
+    flash.load_state_dict(sd)
+    torch.testing.assert_close(flash(ids), ref, rtol=1e-4, atol=1e-4)  # same function, other kernel
+
+
+def test_nope_last_position_ignores_order_in_one_layer():
+    # Without positions, a one-layer model's last output is invariant to permuting the earlier
+    # tokens (deeper, the causal mask makes earlier hidden states order-dependent).
+    one_layer = {**TINY, "num_layers": 1}
+    model = TransformerLM(**one_layer, use_rope=False, dtype=torch.float64)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    perm = torch.tensor([[3, 1, 4, 2, 5]])
+    torch.testing.assert_close(model(ids)[:, -1], model(perm)[:, -1])
+    rope_model = TransformerLM(**one_layer, dtype=torch.float64)
+    assert not torch.allclose(rope_model(ids)[:, -1], rope_model(perm)[:, -1])
+
+
+def test_moe_ffn_variant_builds_and_is_causal():
+    pytest.importorskip("scratchlm.model.moe")
+    model = build_model(ModelConfig(**TINY, ffn="moe"), dtype=torch.float64)
+    assert not any(k.endswith("ffn.w3.weight") and k.startswith("layers.0.ffn.w") for k in model.state_dict())
+    ids = torch.randint(0, 50, (2, 10))
+    changed = ids.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 50
+    torch.testing.assert_close(model(ids)[:, :6], model(changed)[:, :6])
+
+
+def test_moe_hook_raises_user_error_when_absent(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "scratchlm.model.moe", None)  # import now fails
+    with pytest.raises(UserError, match="not available"):
+        TransformerLM(**TINY, ffn="moe")
+
+
+def test_dtype_and_device_kwargs():
+    model = TransformerLM(**TINY, device="cpu", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.layers[0].attn.rope.cos.dtype == torch.float32  # RoPE tables stay fp32
+    out = model(torch.randint(0, 50, (2, 5)))
+    assert out.dtype == torch.bfloat16 and out.device.type == "cpu"
+    assert model.layers[0].attn.rope is model.layers[1].attn.rope  # one table for all blocks
+
+
+def test_build_model_from_config():
+    cfg = ModelConfig(**TINY, ffn="silu", tie_embeddings=True, rmsnorm_eps=1e-6)
+    model = build_model(cfg, dtype=torch.float64)
+    assert isinstance(model, TransformerLM)
+    assert model.lm_head.weight is model.token_embeddings.weight
+    assert model.layers[0].ln1.eps == 1e-6
+    assert model.lm_head.weight.dtype == torch.float64
+
+
+def test_block_builds_its_own_rope():
+    block = TransformerBlock(32, 4, 64, 16, 10_000.0)
+    assert block.attn.rope is not None and block.attn.rope.max_seq_len == 16
+    assert sorted(block.state_dict()) == sorted(
+        ["ln1.weight", "ln2.weight", "ffn.w1.weight", "ffn.w2.weight", "ffn.w3.weight"]
+        + [f"attn.{n}_proj.weight" for n in ("q", "k", "v", "output")]
+    )
+    x = torch.randn(2, 8, 32)
+    assert block(x).shape == x.shape
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    model = TransformerLM(**TINY, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 12))
+    full = model(ids)
+    cache = KVCache.for_model(model, 2, 16)
+    steps = [model(ids[:, :5], kv_cache=cache)] + [model(ids[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full)
+    cache = KVCache.for_model(model, 2, 32)
+    model(ids, kv_cache=cache)
+    with pytest.raises(ValueError, match="context_length"):
+        model(torch.randint(0, 50, (2, 5)), kv_cache=cache)
+
+
+def test_single_batch_overfits():
+    torch.manual_seed(0)
+    model = TransformerLM(**TINY)
+    ids = torch.randint(0, 50, (4, 17))
+    x, y = ids[:, :-1], ids[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    first = None
+    for _ in range(100):
+        loss = cross_entropy(model(x), y)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first > 3.0  # about log(50) at initialisation
+    assert loss.item() < 0.05, loss.item()
