@@ -1,0 +1,127 @@
+"""LM head fused with cross-entropy, without materialising the (N x V) logits.
+
+For a 151,936-token vocabulary and 32K tokens the logits alone are 20 GB in float32 (twice
+that with their gradient). Here the tokens are processed in chunks: for each chunk the
+forward computes the chunk's logits, its log-sum-exp and loss, and immediately the gradient
+of the loss with respect to the chunk's logits, ``(softmax - onehot) / n_valid``, from which it
+accumulates ``d hidden`` (chunk x d) and ``d weight`` (V x d, float32). Those gradients are
+stashed; the backward only scales them by the incoming scalar gradient. Peak extra memory is
+one chunk of logits plus the gradients that a plain path would hold anyway.
+
+Computing the gradient in the forward costs nothing extra when the loss is backpropagated
+(which is the only use in training); a forward-only call (evaluation) should pass
+``compute_grad=False`` or run under ``torch.no_grad()``, which skips the gradient work.
+
+Under autocast the matmuls run in the autocast dtype (as ``F.linear`` would), while the
+log-sum-exp, the loss and the weight-gradient accumulation stay in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference", "FusedLinearCrossEntropy"]
+
+# Elements of one chunk of float32 logits (64M = 256 MB): big enough for efficient matmuls.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                   ignore_index: int = -100) -> torch.Tensor:
+    """Plain path: F.cross_entropy(hidden @ weightᵀ, targets) with the full logits."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    return torch.nn.functional.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index)
+
+
+def _default_chunk_size(n: int, vocab: int) -> int:
+    return max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weightᵀ`` against ``targets``, chunked over tokens."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int = -100, chunk_size: int | None = None,
+                compute_grad: bool = True) -> torch.Tensor:
+        # hidden: (N, d), weight: (V, d), targets: (N,) int64
+        n, d = hidden.shape
+        vocab = weight.shape[0]
+        dtype = _compute_dtype(hidden)
+        chunk = chunk_size or _default_chunk_size(n, vocab)
+        need_grad = compute_grad and (hidden.requires_grad or weight.requires_grad)
+        valid = targets != ignore_index
+        acc = torch.promote_types(dtype, torch.float32)  # float64 stays float64 (exact tests)
+        n_valid = valid.sum().clamp(min=1).to(acc)
+
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if need_grad and hidden.requires_grad else None
+            grad_weight = (torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc), device=weight.device)
+                           if need_grad and weight.requires_grad else None)
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h = hidden[start:end].to(dtype)
+                t = targets[start:end]
+                ok = valid[start:end]
+                logits = (h @ w.t()).to(acc)  # (c, V)
+                lse = torch.logsumexp(logits, dim=-1)
+                safe_t = torch.where(ok, t, torch.zeros_like(t))
+                target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
+                loss_sum += torch.where(ok, lse - target_logit, 0.0).sum()
+                if not need_grad:
+                    continue
+                # d loss / d logits = (softmax - onehot) / n_valid, zero on ignored rows; reuse
+                # the logits buffer so only one (c, V) float32 tensor is alive.
+                grad_logits = logits.sub_(lse[:, None]).exp_()
+                grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(lse[:, None], -1.0))
+                grad_logits.mul_((ok.to(acc) / n_valid)[:, None])
+                g = grad_logits.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = (g @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += g.t() @ h
+        ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
+        ctx.has = (grad_hidden is not None, grad_weight is not None)
+        ctx.weight_dtype = weight.dtype
+        ctx.compute_grad = need_grad
+        return loss_sum / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        if not ctx.compute_grad:
+            raise RuntimeError("fused_linear_cross_entropy was called with compute_grad=False; "
+                               "it cannot be backpropagated")
+        saved = list(ctx.saved_tensors)
+        # grad_loss is a 0-dim float32 tensor: multiplying keeps the stashed dtypes.
+        grad_hidden = saved.pop(0) * grad_loss if ctx.has[0] else None
+        grad_weight = (saved.pop(0) * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                               ignore_index: int = -100, chunk_size: int | None = None,
+                               compute_grad: bool = True) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` vs ``targets`` without the full logits.
+
+    hidden: (N, d) or (..., d); weight: (V, d) (the LM head's ``weight``); targets: (N,) or
+    (...,) integer ids, ``ignore_index`` entries excluded from the mean. Equals
+    ``F.cross_entropy(hidden @ weight.T, targets)`` in value and gradients.
+    """
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden dim {hidden.shape[-1]} does not match weight {tuple(weight.shape)}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    if flat_targets.shape[0] != flat.shape[0]:
+        raise ValueError(f"{flat.shape[0]} hidden rows but {flat_targets.shape[0]} targets")
+    if not torch.is_grad_enabled():
+        compute_grad = False
+    return FusedLinearCrossEntropy.apply(flat, weight, flat_targets.long(), ignore_index, chunk_size,
+                                         compute_grad)
