@@ -155,3 +155,95 @@ def test_export_directory_loads_in_transformers(tmp_path):
     text = "the cat ate the hat<|endoftext|>a dog"
     assert hf_tok(text)["input_ids"] == tok.hf.encode(text).ids
     assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == eos
+
+
+# ---------------------------------------------------------------- `scratchlm export`
+
+
+def _run_dir(tmp_path, model, cfg, tokenizer=None):
+    from scratchlm.config import config_to_toml
+    from scratchlm.train.checkpoint import save_run_checkpoint
+    from scratchlm.train.config import TrainConfig
+
+    run = tmp_path / "run"
+    save_run_checkpoint(run, 7, model_state=model.state_dict(), optimizer_state=None, state={"step": 7},
+                        config_text=config_to_toml(TrainConfig(model=cfg)), keep=1)
+    if tokenizer is not None:
+        tokenizer.save(run / "tokenizer")
+    return run
+
+
+def _cli(args: list[str]) -> int:
+    from scratchlm.cli import main
+
+    return main(["export", *args])
+
+
+def test_export_command_from_single_file_checkpoint(tmp_path):
+    from scratchlm.train.checkpoint import save_checkpoint
+
+    model, cfg = _model(seed=3, tie_embeddings=True)
+    ckpt = tmp_path / "model.pt"
+    save_checkpoint(model, torch.optim.SGD(model.parameters(), lr=0.1), 5, ckpt, model_config=cfg)
+    out = tmp_path / "hf"
+    assert _cli([str(ckpt), "--to", "hf", str(out)]) == 0
+    llama = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert llama.config.tie_word_embeddings
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(llama(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_export_command_refuses(tmp_path, capsys):
+    model, cfg = _model(seed=4)
+    run = _run_dir(tmp_path, model, cfg)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert _cli([str(run), "--to", "hf", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert _cli([str(run), "--to", "hf", str(out), "--overwrite"]) == 0
+    assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    assert _cli([str(tmp_path / "missing"), "--to", "hf", str(tmp_path / "x")]) == 2
+    capsys.readouterr()
+    post, post_cfg = _model(norm_position="post")
+    post_run = _run_dir(tmp_path / "post", post, post_cfg)
+    assert _cli([str(post_run), "--to", "hf", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scratchlm export: error: only the default Llama architecture") and "Traceback" not in err
+
+
+def test_export_command_run_dir_with_tokenizer(tmp_path):
+    tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
+    from scratchlm.tokenizer.train import train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Once upon a time there was a cat.<|endoftext|>The cat sat on a mat, happily!\n" * 30)
+    vocab, merges = train_bpe(corpus, 300, ["<|endoftext|>"])
+    tok = tokenizer_mod.Tokenizer(vocab, merges, ["<|endoftext|>"])
+    model, cfg = _model_with_vocab(len(vocab))
+    run = _run_dir(tmp_path, model, cfg, tokenizer=tok)
+    out = tmp_path / "hf"
+    assert _cli([str(run), "--to", "hf", str(out)]) == 0
+
+    text = "Once upon a time, the cat sat.<|endoftext|>A mat! 123  spaces\n"
+    ids = tok.encode(text)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok.decode(ids) == text
+    eos = tok.encode("<|endoftext|>")
+    assert [hf_tok.eos_token_id] == [hf_tok.bos_token_id] == eos
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    assert fast(text)["input_ids"] == ids
+
+    llama = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert llama.generation_config.eos_token_id == eos[0]
+    x = torch.tensor([ids[: cfg.context_length]])
+    with torch.no_grad():
+        torch.testing.assert_close(llama(input_ids=x).logits, model(x), rtol=1e-5, atol=1e-5)
+
+
+def _model_with_vocab(vocab_size: int):
+    cfg = ModelConfig(**{**TINY, "vocab_size": vocab_size})
+    torch.manual_seed(5)
+    return build_model(cfg).eval(), cfg

@@ -68,7 +68,7 @@ def format_report(cfg: Any, report: dict[str, Any]) -> str:
     total_flops = report["forward_flops"]
     rows: list[tuple[str, str, str]] = []
     shape = (f"V={cfg.vocab_size} T={cfg.context_length} D={cfg.d_model} L={cfg.num_layers} "
-             f"H={cfg.num_heads} F={cfg.d_ff} ffn={cfg.ffn}"
+             f"H={cfg.num_heads} F={cfg.d_ff} ffn={cfg.ffn} attention={cfg.attention_backend}"
              f"{' tied' if cfg.tie_embeddings else ''}{'' if cfg.use_rmsnorm else ' no-rmsnorm'}")
     lines = [f"model: {shape}", ""]
     rows.append(("parameters", f"{p['total']:,}", _si(p["total"])))
@@ -146,11 +146,15 @@ def export_command(argv: list[str]) -> int:
     if not source.exists():
         raise FileNotFoundError(2, "No such file or directory", str(source))
 
-    from scratchlm.model.hf import check_exportable, export_hf
+    from scratchlm.model.hf import EXPORT_FILES, check_exportable, export_hf
     from scratchlm.train.checkpoint import load_trained_model
 
     model, cfg, tokenizer = load_trained_model(source, device="cpu")
     check_exportable(cfg)
+    if out.is_dir():
+        # Files of an earlier export that this one might not rewrite (e.g. tokenizer files).
+        for name in EXPORT_FILES:
+            (out / name).unlink(missing_ok=True)
     written = export_hf(model, cfg, out, tokenizer=tokenizer)
     print(f"exported {source} to {out} ({', '.join(sorted(p.name for p in written))})")
     return 0

@@ -29,6 +29,8 @@ from torch import Tensor
 from scratchlm.errors import UserError
 
 EOS_TOKEN = "<|endoftext|>"
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json")
 
 # scratchlm suffix -> Hugging Face suffix, inside layer i ("layers.{i}." / "model.layers.{i}.").
 _LAYER_NAMES = {
