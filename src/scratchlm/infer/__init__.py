@@ -1,0 +1,1 @@
+"""Decoding: sampling filters, KV cache and batched generation; token ids only."""

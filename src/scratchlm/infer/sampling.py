@@ -1,0 +1,75 @@
+"""Next-token sampling: temperature, top-k and top-p (nucleus) filtering.
+
+All functions take logits of shape (..., V) and work on the last dimension. Filters return
+logits with the removed tokens set to -inf, so they compose: temperature first, then top-k,
+then top-p, then a draw from the softmax of what is left.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from scratchlm.model.functional import softmax
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature, (..., V). temperature must be > 0 (0 means greedy: see sample_next)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 here, got {temperature}")
+    return logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits of each row (ties with the k-th are kept too), (..., V).
+
+    Example: top_k_filter([1., 3., 2.], 2) -> [-inf, 3., 2.].
+    """
+    if k <= 0:
+        raise ValueError(f"top_k must be >= 1, got {k}")
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of most probable tokens whose total probability reaches p, (..., V).
+
+    A token stays if the probability mass of the tokens strictly more probable than it is
+    below p, so the most probable token always stays. Example with probabilities
+    [0.5, 0.3, 0.2] and p = 0.7: mass before each is [0, 0.5, 0.8] -> keeps the first two.
+    """
+    if not 0 < p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    if p >= 1:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
+    probs = softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    remove_sorted = mass_before >= p
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Draw one token id per row from logits (B, V) -> (B,) int64.
+
+    temperature == 0 is greedy decoding (argmax; top_k / top_p then change nothing).
+    `generator` makes the draw reproducible; it must live on the logits' device.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = apply_temperature(logits.float(), temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    probs = softmax(logits, dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from scratchlm.infer.kv_cache import KVCache
+from scratchlm.model.transformer import TransformerLM
+
+
+def test_update_appends_and_returns_prefix():
+    cache = KVCache(2, 3, 4, 10, 8)
+    k1, v1 = torch.randn(3, 4, 6, 8), torch.randn(3, 4, 6, 8)
+    k, v = cache.update(0, k1, v1)
+    assert k.shape == (3, 4, 6, 8) and torch.equal(k, k1) and torch.equal(v, v1)
+    assert cache.lengths == [6, 0] and cache.seq_len == 6
+    k2 = torch.randn(3, 4, 1, 8)
+    k, v = cache.update(0, k2, k2)
+    assert torch.equal(k, torch.cat([k1, k2], 2))
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, torch.randn(3, 4, 4, 8), torch.randn(3, 4, 4, 8))
+    with pytest.raises(ValueError, match="batch"):
+        cache.update(1, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8))
+
+
+def test_positions_and_key_mask_with_padding():
+    cache = KVCache(1, 2, 1, 6, 2, pad_lens=[0, 2])
+    assert cache.positions(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    cache.update(0, torch.randn(2, 1, 4, 2), torch.randn(2, 1, 4, 2))
+    assert cache.positions(1).tolist() == [[4], [2]]
+    assert cache.key_mask(4).tolist() == [[True] * 4, [False, False, True, True]]
+    assert KVCache(1, 2, 1, 6, 2).key_mask(3) is None
+
+
+def test_dtype_follows_first_update_and_reset():
+    cache = KVCache(1, 1, 1, 4, 2)
+    k, _ = cache.update(0, torch.randn(1, 1, 2, 2, dtype=torch.bfloat16), torch.randn(1, 1, 2, 2, dtype=torch.bfloat16))
+    assert k.dtype == torch.bfloat16
+    cache.reset()
+    assert cache.seq_len == 0
+
+
+def test_for_model():
+    model = TransformerLM(50, 16, 32, 3, 4, 64, 10_000.0)
+    cache = KVCache.for_model(model, 2, 16)
+    assert (cache.num_layers, cache.num_heads, cache.head_dim, cache.max_len) == (3, 4, 8, 16)
