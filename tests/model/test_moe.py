@@ -200,3 +200,33 @@ def test_float32_and_parameter_shapes():
     ref, _ = moe_reference(moe, x)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_transformer_trains_with_aux_loss():
+    import types
+
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.functional import cross_entropy
+    from scratchlm.model.moe import moe_metrics, moe_options
+    from scratchlm.model.transformer import TransformerLM
+
+    shape = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48)
+    cfg = types.SimpleNamespace(**vars(ModelConfig(**shape, ffn="moe")), moe_num_experts=4, moe_top_k=2,
+                                moe_capacity_factor=1.0, moe_shared_experts=1)
+    torch.manual_seed(0)
+    model = TransformerLM(**shape, ffn="moe", moe_options=moe_options(cfg))
+    assert all(isinstance(layer.ffn, MoEFFN) for layer in model.layers)
+    assert model.layers[0].ffn.capacity_factor == 1.0 and model.layers[0].ffn.shared is not None
+    x = torch.randint(0, 64, (2, 16))
+    logits = model(x)
+    metrics = moe_metrics(model)
+    assert set(metrics) == {"moe_load_balance", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy",
+                            "moe_max_expert_fraction"}
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert 0.25 <= metrics["moe_max_expert_fraction"] <= 1.0
+    aux = moe_aux_loss(model, 0.01, 0.001)
+    loss = cross_entropy(logits, torch.roll(x, -1, 1)) + aux
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert moe_metrics(torch.nn.Linear(2, 2)) == {}

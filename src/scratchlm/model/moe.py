@@ -240,6 +240,28 @@ def moe_aux_loss(model: nn.Module, load_balance_coef: float, z_loss_coef: float)
     return total
 
 
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Router statistics of the last forward, averaged over MoE layers, as plain floats for logging.
+
+    Keys: ``moe_load_balance``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_router_entropy``
+    and ``moe_max_expert_fraction`` (the busiest expert's share; 1/E is perfect balance).
+    Empty for a model without MoE layers.
+    """
+    rows = [m.last_aux for m in model.modules() if isinstance(m, MoEFFN) and m.last_aux]
+    if not rows:
+        return {}
+    stacked = {
+        "moe_load_balance": torch.stack([r["load_balance"].detach() for r in rows]),
+        "moe_z_loss": torch.stack([r["z_loss"].detach() for r in rows]),
+        "moe_dropped_fraction": torch.stack([r["dropped_fraction"] for r in rows]),
+        "moe_router_entropy": torch.stack([r["router_entropy"] for r in rows]),
+        "moe_max_expert_fraction": torch.stack([r["expert_fraction"].max() for r in rows]),
+    }
+    # One transfer for all of them.
+    values = torch.stack([v.float().mean() for v in stacked.values()]).tolist()
+    return dict(zip(stacked, values))
+
+
 def build_moe_ffn(
     d_model: int,
     d_ff: int,
