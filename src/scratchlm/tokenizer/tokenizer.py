@@ -1,0 +1,274 @@
+"""Encoding and decoding with a byte-level BPE vocabulary.
+
+Encoding splits text on special tokens (the longest wins where they overlap), cuts the rest
+into *units* (see ``pretokenize``: runs of non-whitespace with one optional leading space, and
+whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
+unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
+unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
+
+BPE on a pretoken follows GPT-2: repeatedly merge the adjacent pair that comes earliest in the
+merge list, until no adjacent pair is in it. Ids come from the vocabulary given, so GPT-2's own
+``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
+
+Decoding joins token bytes and decodes them as UTF-8, replacing invalid sequences with U+FFFD.
+An id that is not in the vocabulary raises ``UnknownTokenError`` (both a ``UserError`` and a
+``ValueError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
+
+from scratchlm.errors import UserError
+from scratchlm.tokenizer.pretokenize import GPT2_RE, UNIT_RE, special_tokens_pattern
+
+EOT = "<|endoftext|>"
+# The unit cache is dropped when it grows past this many entries, so memory stays bounded
+# however much text goes through (a few hundred MB at most).
+MAX_CACHE_UNITS = 1 << 19
+# encode_iterable encodes roughly this many characters at a time.
+STREAM_BLOCK_CHARS = 1 << 16
+
+
+class UnknownTokenError(UserError, ValueError):
+    """decode() was given an id that is not in the vocabulary."""
+
+
+class _UnitCache(dict):
+    """unit -> tuple of ids; a miss computes the unit's ids and stores them."""
+
+    __slots__ = ("compute",)
+
+    def __missing__(self, unit: str) -> tuple[int, ...]:
+        ids = self.compute(unit)
+        self[unit] = ids
+        return ids
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer: ``vocab`` id -> bytes, ``merges`` in priority order.
+
+    Special tokens are matched in the text before anything else and map to single ids; a
+    special token missing from the vocabulary is appended to it with the next free id.
+
+    >>> from scratchlm.tokenizer.train import train_bpe  # doctest: +SKIP
+    >>> tok = Tokenizer(vocab, merges, ["<|endoftext|>"])  # doctest: +SKIP
+    >>> tok.decode(tok.encode("hello<|endoftext|>"))  # doctest: +SKIP
+    'hello<|endoftext|>'
+    """
+
+    def __init__(self, vocab: dict[int, bytes], merges: Sequence[tuple[bytes, bytes]],
+                 special_tokens: Sequence[str] | None = None) -> None:
+        self.vocab: dict[int, bytes] = {int(i): bytes(t) for i, t in vocab.items()}
+        self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
+        self.special_tokens: list[str] = list(dict.fromkeys(special_tokens or ()))
+
+        # bytes -> id for ordinary tokens: with duplicate bytes the lowest id wins, and special
+        # tokens take the highest id carrying their bytes (they are appended last).
+        by_bytes: dict[bytes, int] = {}
+        for i in sorted(self.vocab, reverse=True):
+            by_bytes[self.vocab[i]] = i
+        self.special_token_ids: dict[str, int] = {}
+        for token in self.special_tokens:
+            data = token.encode("utf-8")
+            ids = [i for i, t in self.vocab.items() if t == data]
+            if ids:
+                self.special_token_ids[token] = max(ids)
+            else:
+                new = max(self.vocab, default=-1) + 1
+                self.vocab[new] = data
+                self.special_token_ids[token] = new
+                by_bytes.setdefault(data, new)
+
+        missing = [b for b in range(256) if bytes([b]) not in by_bytes]
+        if missing:
+            raise UserError(f"the vocabulary lacks {len(missing)} single bytes (e.g. 0x{missing[0]:02x}); "
+                            "a byte-level vocabulary needs all 256")
+        # Tokens are handled as strings of chr(id): a pair is a 2-character string and
+        # merging it is str.replace, as in training.
+        self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}
+        self._ranks: dict[str, int] = {}
+        self._merged: dict[str, str] = {}
+        for rank, (left, right) in enumerate(self.merges):
+            try:
+                pair = chr(by_bytes[left]) + chr(by_bytes[right])
+                merged = by_bytes[left + right]
+            except KeyError:
+                raise UserError(f"merge {rank} ({left!r}, {right!r}) uses or makes a token "
+                                "missing from the vocabulary") from None
+            if pair not in self._ranks:
+                self._ranks[pair] = rank
+                self._merged[pair] = chr(merged)
+
+        self._special_re = special_tokens_pattern(self.special_tokens, capture=True)
+        self._max_special = max((len(t) for t in self.special_tokens), default=0)
+        self._cache = _UnitCache()
+        self._cache.compute = self._encode_unit
+        self._hash: str | None = None
+
+    # --- construction from files -----------------------------------------------------------
+
+    @classmethod
+    def from_files(cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike,
+                   special_tokens: Sequence[str] | None = None) -> Tokenizer:
+        """A tokenizer from GPT-2-style ``vocab.json`` (text form -> id) and ``merges.txt``."""
+        from scratchlm.tokenizer.io import read_merges_txt, read_vocab_json
+
+        specials = list(special_tokens or ())
+        return cls(read_vocab_json(vocab_path, specials), read_merges_txt(merges_path), specials)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        """A tokenizer saved by ``save`` (vocab.json, merges.txt, special_tokens.json)."""
+        from scratchlm.tokenizer.io import load_tokenizer
+
+        return load_tokenizer(directory)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write vocab.json, merges.txt, special_tokens.json and a Hugging Face tokenizer.json."""
+        from scratchlm.tokenizer.io import save_tokenizer
+
+        save_tokenizer(self, directory)
+
+    # --- properties --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id (the size an embedding table needs)."""
+        return max(self.vocab) + 1
+
+    @property
+    def eot_id(self) -> int | None:
+        """The id of ``<|endoftext|>`` if it is one of the special tokens."""
+        return self.special_token_ids.get(EOT)
+
+    @property
+    def hash(self) -> str:
+        """sha256 (hex) over ids, token bytes, merges and special tokens: equal hashes, equal encodings."""
+        if self._hash is None:
+            h = hashlib.sha256(b"scratchlm-bpe-v1\n")
+            for i in sorted(self.vocab):
+                h.update(b"%d %s\n" % (i, self.vocab[i].hex().encode()))
+            h.update(b"merges\n")
+            for left, right in self.merges:
+                h.update(b"%s %s\n" % (left.hex().encode(), right.hex().encode()))
+            h.update(b"special\n")
+            for token in self.special_tokens:
+                h.update(b"%d %s\n" % (self.special_token_ids[token], token.encode("utf-8").hex().encode()))
+            self._hash = h.hexdigest()
+        return self._hash
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"special_tokens={self.special_tokens!r})")
+
+    # --- encoding ----------------------------------------------------------------------------
+
+    def _bpe(self, pretoken: str) -> str:
+        """The merged token string (chr(id) per token) of one pretoken."""
+        word = "".join([self._byte_chars[b] for b in pretoken.encode("utf-8")])
+        ranks = self._ranks
+        while len(word) > 1:
+            best = None
+            best_rank = len(ranks)
+            for k in range(len(word) - 1):
+                rank = ranks.get(word[k:k + 2], best_rank)
+                if rank < best_rank:
+                    best_rank = rank
+                    best = word[k:k + 2]
+            if best is None:
+                break
+            word = word.replace(best, self._merged[best])
+        return word
+
+    def _encode_unit(self, unit: str) -> tuple[int, ...]:
+        word = "".join([self._bpe(p) for p in GPT2_RE.findall(unit)])
+        return tuple(map(ord, word))
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of text, treating special tokens as plain text."""
+        if len(self._cache) > MAX_CACHE_UNITS:
+            self._cache.clear()
+        return list(chain.from_iterable(map(self._cache.__getitem__, UNIT_RE.findall(text))))
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of text; special tokens in it map to their single ids."""
+        if self._special_re is None:
+            return self.encode_ordinary(text)
+        ids: list[int] = []
+        pieces = self._special_re.split(text)
+        special_ids = self.special_token_ids
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids.append(special_ids[piece])
+            elif piece:
+                ids.extend(self.encode_ordinary(piece))
+        return ids
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """Ids of the concatenation of the strings (e.g. a text file's lines), lazily.
+
+        Memory stays bounded by the block size (plus the unit cache) however long the stream:
+        text is buffered only up to a place where encoding may restart, which no pretoken and
+        no special token crosses.
+        """
+        pending: list[str] = []
+        size = 0
+        for chunk in iterable:
+            pending.append(chunk)
+            size += len(chunk)
+            if size < STREAM_BLOCK_CHARS:
+                continue
+            buf = "".join(pending)
+            cut = self._safe_cut(buf)
+            if cut <= 0:
+                pending, size = [buf], len(buf)
+                continue
+            yield from self.encode(buf[:cut])
+            rest = buf[cut:]
+            pending, size = [rest], len(rest)
+        if pending:
+            yield from self.encode("".join(pending))
+
+    def _safe_cut(self, text: str) -> int:
+        """A position where text can be split and each side encoded alone, or -1.
+
+        A space between two non-space characters starts a pretoken in any context; it is
+        taken only where no special-token occurrence could straddle it, and far enough from
+        the end that a special token cut off by the end of the buffer cannot reach it.
+        """
+        end = len(text) - max(self._max_special, 2)
+        for _ in range(256):
+            pos = text.rfind(" ", 1, end)
+            if pos <= 0:
+                return -1
+            end = pos
+            if text[pos - 1].isspace() or text[pos + 1].isspace():
+                continue
+            if any(self._straddles(text, pos, t) for t in self.special_tokens):
+                continue
+            return pos
+        return -1
+
+    @staticmethod
+    def _straddles(text: str, pos: int, token: str) -> bool:
+        hit = text.find(token, max(0, pos - len(token) + 1), pos + len(token) - 1)
+        return hit != -1 and hit < pos
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The concatenated bytes of the tokens."""
+        try:
+            return b"".join(map(self.vocab.__getitem__, ids))
+        except (KeyError, TypeError) as exc:
+            bad = exc.args[0] if isinstance(exc, KeyError) else exc
+            raise UnknownTokenError(f"token id {bad!r} is not in the vocabulary "
+                                    f"(size {self.vocab_size})") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the tokens; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")

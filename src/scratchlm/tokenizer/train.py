@@ -1,0 +1,284 @@
+"""Byte-level BPE training.
+
+Id layout of the vocabulary ``train_bpe`` returns: ids 0..255 are the single bytes (id == byte
+value), ids 256.. the merges in the order they were learned, and the special tokens come last,
+in the order given (GPT-2 puts ``<|endoftext|>`` last too). So ``vocab_size`` = 256 + number of
+merges + number of special tokens; if the corpus runs out of pairs to merge first, training
+stops early and the vocabulary is smaller.
+
+Two phases:
+
+1. Pretoken counting (``pretokenize``): the file is cut into byte ranges at special tokens,
+   each range is read and counted by a worker process on its own, block by block, so memory is
+   bounded by the number of distinct pretokens, not by the size of the file. Small files skip
+   the pool.
+2. The merge loop keeps pair -> count and pair -> {words containing it} and updates both only
+   for the words a merge touches. The best pair comes from a heap with lazy invalidation: an
+   entry whose count went stale is re-pushed with its current count when it reaches the top.
+   Counts of existing pairs only ever fall (a merge creates pairs only with the new token), so
+   the top entry, once fresh, is the true maximum.
+
+Ties between equally frequent pairs go to the lexicographically greater pair of byte strings,
+``max(pairs, key=lambda p: (count[p], vocab[p[0]], vocab[p[1]]))``. The heap is a min-heap,
+so each token carries an order-reversing key: its bytes as latin-1 characters mapped
+x -> 255 - x, then a terminator above every mapped byte (so a prefix sorts after its
+extensions, as the reversal of "prefix sorts first" requires).
+"""
+
+from __future__ import annotations
+
+import heapq
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from scratchlm.errors import UserError
+from scratchlm.tokenizer.pretokenize import count_pretokens_in_range, find_chunk_boundaries
+
+# Below this size the worker pool costs more than it saves.
+SMALL_CORPUS_BYTES = 4 << 20
+# Ranges per worker: more than one evens out uneven ranges and lets the progress bar move.
+CHUNKS_PER_WORKER = 4
+MAX_CHUNK_BYTES = 64 << 20
+
+_REVERSE = {byte: 255 - byte for byte in range(256)}
+_TERMINATOR = "\u0100"
+
+
+def _reverse_key(token: bytes) -> str:
+    return token.decode("latin-1").translate(_REVERSE) + _TERMINATOR
+
+
+def default_workers() -> int:
+    """Number of CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def train_bpe(
+    input_path: str | os.PathLike,
+    vocab_size: int,
+    special_tokens: Sequence[str] = (),
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    timings: dict[str, float] | None = None,
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Train a byte-level BPE tokenizer on a UTF-8 text file.
+
+    Returns (vocab, merges): vocab maps id -> token bytes (layout in the module docstring),
+    merges lists the learned (left, right) pairs in order. ``workers`` processes count
+    pretokens (default: all cores; 1 or a small file runs in this process); ``progress`` shows
+    tqdm bars on stderr; ``timings``, if given, receives ``pretokenize_s`` and ``merge_s``.
+
+    Raises UserError for a missing or unreadable file, a file that is not UTF-8 (naming the
+    byte offset), a corpus with no text outside special tokens, or ``vocab_size`` smaller than
+    256 + the number of special tokens.
+    """
+    path = Path(input_path)
+    specials = list(dict.fromkeys(special_tokens))
+    if any(not isinstance(t, str) or not t for t in specials):
+        raise UserError("special tokens must be non-empty strings")
+    if vocab_size < 256 + len(specials):
+        raise UserError(
+            f"vocab_size {vocab_size} is too small: it must be at least 256 (bytes) + "
+            f"{len(specials)} (special tokens) = {256 + len(specials)}"
+        )
+    if not path.exists():
+        raise UserError(f"{path}: no such file")
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, expected a text file")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{path}: permission denied")
+
+    t0 = time.perf_counter()
+    counts = count_pretokens(path, specials, workers=workers, progress=progress)
+    if not counts:
+        raise UserError(f"{path}: the corpus is empty (no text outside special tokens)")
+    t1 = time.perf_counter()
+    num_merges = vocab_size - 256 - len(specials)
+    merges = merge_pretokens(counts, num_merges, progress=progress)
+    t2 = time.perf_counter()
+    if timings is not None:
+        timings["pretokenize_s"] = t1 - t0
+        timings["merge_s"] = t2 - t1
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    for left, right in merges:
+        vocab[len(vocab)] = left + right
+    for token in specials:
+        vocab[len(vocab)] = token.encode("utf-8")
+    return vocab, merges
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    # fork starts workers in milliseconds; it is only unsafe once threads exist.
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
+                    workers: int | None = None, progress: bool = False) -> Counter[str]:
+    """Pretoken counts of a whole file, in parallel over byte ranges cut at special tokens."""
+    path = Path(path)
+    size = path.stat().st_size
+    workers = default_workers() if workers is None else max(1, int(workers))
+    if workers == 1 or size < SMALL_CORPUS_BYTES:
+        return count_pretokens_in_range(path, 0, size, special_tokens)
+
+    num_chunks = max(workers * CHUNKS_PER_WORKER, -(-size // MAX_CHUNK_BYTES))
+    bounds = find_chunk_boundaries(path, num_chunks, special_tokens)
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    total: Counter[str] = Counter()
+    with ProcessPoolExecutor(max_workers=min(workers, len(ranges)), mp_context=_pool_context()) as pool:
+        # The bar comes after the pool: tqdm starts a monitor thread, and fork wants none.
+        bar = _progress_bar(progress, total=len(ranges), desc="pretokenize", unit="chunk")
+        futures = [pool.submit(count_pretokens_in_range, path, a, b, list(special_tokens)) for a, b in ranges]
+        for future in futures:
+            total.update(future.result())
+            bar.update(1)
+    bar.close()
+    return total
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(enabled: bool, **kwargs):
+    if not enabled:
+        return _NoBar()  # a disabled tqdm still starts its monitor thread
+    from tqdm import tqdm
+
+    return tqdm(leave=True, dynamic_ncols=True, **kwargs)
+
+
+def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, *,
+                    progress: bool = False) -> list[tuple[bytes, bytes]]:
+    """Learn up to num_merges merges from pretoken counts (str keys are UTF-8 encoded)."""
+    vocab: list[bytes] = [bytes([i]) for i in range(256)]
+    rkeys: list[str] = [_reverse_key(t) for t in vocab]
+
+    # A word is a str with one character per token, chr(token id): merging a pair in a word is
+    # then str.replace, which replaces non-overlapping occurrences left to right exactly as BPE
+    # does, and finding the new token is str.find, both in C. Pairs are 2-character strings.
+    # Latin-1 decoding maps each byte to the character of its id.
+    words: list[str] = []
+    freqs: list[int] = []
+    for pretoken, n in counts.items():
+        data = pretoken.encode("utf-8") if isinstance(pretoken, str) else pretoken
+        if len(data) > 1:  # a single byte has no pair to merge
+            words.append(data.decode("latin-1"))
+            freqs.append(n)
+
+    pair_counts: dict[str, int] = {}
+    pair_words: dict[str, set[int]] = {}
+    for wi, word in enumerate(words):
+        n = freqs[wi]
+        for k in range(len(word) - 1):
+            pair = word[k:k + 2]
+            pair_counts[pair] = pair_counts.get(pair, 0) + n
+            where = pair_words.get(pair)
+            if where is None:
+                pair_words[pair] = {wi}
+            else:
+                where.add(wi)
+    heap = [(-n, rkeys[ord(p[0])], rkeys[ord(p[1])], p) for p, n in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: list[tuple[bytes, bytes]] = []
+    bar = _progress_bar(progress, total=num_merges, desc="merges", unit="merge")
+    while len(merges) < num_merges:
+        best = _pop_best(heap, pair_counts)
+        if best is None:
+            break  # nothing left to merge
+        A, B = best[0], best[1]
+        a, b = ord(A), ord(B)
+        new = len(vocab)
+        N = chr(new)
+        vocab.append(vocab[a] + vocab[b])
+        rkeys.append(_reverse_key(vocab[new]))
+        merges.append((vocab[a], vocab[b]))
+
+        touched: set[str] = set()
+        for wi in pair_words.pop(best):
+            word = words[wi]
+            merged = word.replace(best, N)
+            if len(merged) == len(word):
+                continue  # the index is a superset: this word lost the pair to an earlier merge
+            words[wi] = merged
+            n = freqs[wi]
+            last = len(merged) - 1
+            # Around each new token only the neighbouring pairs changed:
+            # (left, a) -> (left, new) and (b, right) -> (new, right).
+            j = merged.find(N)
+            while j != -1:
+                if j > 0:
+                    left = merged[j - 1]
+                    if left == N:
+                        # Two occurrences side by side: the old pair between them was (b, a);
+                        # (new, new) is counted as the right pair of the first one.
+                        pair_counts[B + A] -= n
+                    else:
+                        pair_counts[left + A] -= n
+                        pair = left + N
+                        pair_counts[pair] = pair_counts.get(pair, 0) + n
+                        touched.add(pair)
+                        where = pair_words.get(pair)
+                        if where is None:
+                            pair_words[pair] = {wi}
+                        else:
+                            where.add(wi)
+                if j < last:
+                    right = merged[j + 1]
+                    if right != N:
+                        pair_counts[B + right] -= n
+                    pair = N + right
+                    pair_counts[pair] = pair_counts.get(pair, 0) + n
+                    touched.add(pair)
+                    where = pair_words.get(pair)
+                    if where is None:
+                        pair_words[pair] = {wi}
+                    else:
+                        where.add(wi)
+                j = merged.find(N, j + 1)
+        del pair_counts[best]
+        for pair in touched:
+            n = pair_counts[pair]
+            if n > 0:
+                heapq.heappush(heap, (-n, rkeys[ord(pair[0])], rkeys[ord(pair[1])], pair))
+        if len(merges) % 64 == 0:
+            bar.update(64)
+    bar.update(len(merges) % 64)
+    bar.close()
+    return merges
+
+
+def _pop_best(heap: list, pair_counts: dict[str, int]) -> str | None:
+    """The most frequent pair (ties: greatest bytes), discarding or refreshing stale entries."""
+    while heap:
+        neg, ka, kb, pair = heap[0]
+        current = pair_counts.get(pair, 0)
+        if current == -neg:
+            if current <= 0:
+                heapq.heappop(heap)
+                continue
+            return pair
+        if current > 0:
+            heapq.heapreplace(heap, (-current, ka, kb, pair))
+        else:
+            heapq.heappop(heap)
+    return None

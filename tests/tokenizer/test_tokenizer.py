@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import io
+import random
+import subprocess
+import sys
+from itertools import islice
+
+import pytest
+
+from scratchlm.errors import UserError
+from scratchlm.tokenizer.tokenizer import Tokenizer, UnknownTokenError
+
+from ._text import random_text
+from .conftest import EOT, tiktoken_from
+
+TRICKY = [
+    "", " ", "  ", "\n", "hello world", "Hello, World!  It's a test.\n\n\tIndented\r\n",
+    "I'm you're we've they'll he'd she's IT'S", "   leading and trailing   ", "a\n\n\n b",
+    "1234567890 3.14159 ½ ² ٣", "naïve café résumé 日本語のテキスト 한국어 😀👍🏽", "x\u3000y\xa0z\x1cw\x85v",
+    "<|endoftext|>", "a<|endoftext|>b", "<|endoftext|><|endoftext|>", " <|endoftext|> ",
+    "<|endoftext|", "<|endoftext|>\n\nOnce upon a time", "e\u0301 \u200d", "$$$ --- ...!!!",
+]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_gpt2_matches_tiktoken(gpt2_tokenizer, tiktoken_gpt2, text):
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
+
+
+def test_gpt2_matches_tiktoken_on_real_and_random_text(gpt2_tokenizer, tiktoken_gpt2, tinystories_text):
+    text = tinystories_text[:200_000].replace("\n\n", EOT)
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
+    rng = random.Random(0)
+    for _ in range(50):
+        text = random_text(rng, rng.randrange(1, 400), (EOT,))
+        assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
+
+
+def test_gpt2_ids(gpt2_tokenizer):
+    assert gpt2_tokenizer.encode("Hello world<|endoftext|>") == [15496, 995, 50256]
+    assert gpt2_tokenizer.vocab_size == 50257 and gpt2_tokenizer.eot_id == 50256
+
+
+def test_trained_matches_tiktoken_from_our_merges(trained, tinystories_text):
+    enc = tiktoken_from(trained)
+    text = tinystories_text[300_000:600_000].replace("\n\n", EOT)
+    assert trained.encode(text) == enc.encode(text, allowed_special="all")
+    rng = random.Random(1)
+    for _ in range(30):
+        text = random_text(rng, 500, (EOT,))
+        assert trained.encode(text) == enc.encode(text, allowed_special="all")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_round_trip_random_unicode(trained, gpt2_tokenizer, seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        text = random_text(rng, rng.randrange(0, 300), (EOT,))
+        assert trained.decode(trained.encode(text)) == text
+        assert gpt2_tokenizer.decode(gpt2_tokenizer.encode(text)) == text
+
+
+def test_overlapping_special_tokens_longest_wins(trained):
+    tok = Tokenizer(trained.vocab, trained.merges, ["<|a|>", "<|a|><|b|>", EOT])
+    a, ab = tok.special_token_ids["<|a|>"], tok.special_token_ids["<|a|><|b|>"]
+    ids = tok.encode("x<|a|><|b|>y<|a|>")
+    assert ab in ids and ids.count(a) == 1
+    assert tok.decode(ids) == "x<|a|><|b|>y<|a|>"
+    assert len(set(tok.special_token_ids.values())) == 3
+
+
+def test_without_special_tokens_they_are_plain_text(trained):
+    plain = Tokenizer(trained.vocab, trained.merges)
+    ids = plain.encode("a<|endoftext|>b")
+    assert trained.eot_id not in ids and plain.decode(ids) == "a<|endoftext|>b"
+
+
+def test_decode_replaces_invalid_utf8_and_rejects_unknown_ids(trained):
+    # The two bytes of "é" decoded one at a time are not valid UTF-8 alone.
+    assert trained.decode([0xC3]) == "\ufffd"
+    assert trained.decode([0xC3, 0xA9]) == "é"
+    for bad in ([trained.vocab_size], [-1], [10**9]):
+        with pytest.raises(UnknownTokenError):
+            trained.decode(bad)
+    assert issubclass(UnknownTokenError, ValueError) and issubclass(UnknownTokenError, UserError)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_encode_iterable_equals_encode(trained, tinystories_text, chunk):
+    text = tinystories_text[:150_000].replace("\n\n", EOT) + "  trailing  "
+    pieces = (text[i:i + chunk] for i in range(0, len(text), chunk))
+    assert list(trained.encode_iterable(pieces)) == trained.encode(text)
+
+
+def test_encode_iterable_on_file_object_and_random_text(trained):
+    rng = random.Random(3)
+    text = "".join(random_text(rng, 2000, (EOT,)) + rng.choice(["\n", " ", EOT]) for _ in range(60))
+    assert list(trained.encode_iterable(io.StringIO(text))) == trained.encode(text)
+    pieces = []
+    i = 0
+    while i < len(text):
+        step = rng.randrange(1, 9000)
+        pieces.append(text[i:i + step])
+        i += step
+    assert list(trained.encode_iterable(pieces)) == trained.encode(text)
+
+
+def test_encode_iterable_is_lazy(trained):
+    def endless():
+        while True:
+            yield "Once upon a time there was a cat. "
+
+    first = list(islice(trained.encode_iterable(endless()), 10_000))
+    assert first[:8] == trained.encode("Once upon a time there was a cat. ")[:8]
+
+
+def test_hash_is_stable_and_sensitive(trained):
+    same = Tokenizer(dict(trained.vocab), list(trained.merges), [EOT])
+    assert same.hash == trained.hash and len(trained.hash) == 64
+    fewer = Tokenizer(trained.vocab, trained.merges[:-1], [EOT])
+    assert fewer.hash != trained.hash
+    assert Tokenizer(trained.vocab, trained.merges, [EOT, "<|pad|>"]).hash != trained.hash
+
+
+def test_bad_vocabularies_are_user_errors():
+    with pytest.raises(UserError, match="single bytes"):
+        Tokenizer({0: b"a"}, [])
+    vocab = {i: bytes([i]) for i in range(256)}
+    with pytest.raises(UserError, match="merge 0"):
+        Tokenizer(vocab, [(b"a", b"b")])
+
+
+def test_importing_the_tokenizer_does_not_import_torch():
+    code = ("import sys; import scratchlm.tokenizer.tokenizer, scratchlm.tokenizer.train, "
+            "scratchlm.tokenizer.io; import scratchlm; scratchlm.Tokenizer; "
+            "assert 'torch' not in sys.modules, 'torch imported'; assert 'numpy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
