@@ -260,8 +260,11 @@ def _accept_tied_lm_head(module: nn.Module, state_dict: dict[str, Any], prefix: 
 
 
 def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
-    """The TransformerLM described by a ModelConfig, built directly on `device` in `dtype`."""
-    return TransformerLM(
+    """The TransformerLM described by a ModelConfig, built directly on `device` in `dtype`.
+
+    The config is kept as `model.config` (checkpoints store it from there).
+    """
+    model = TransformerLM(
         vocab_size=cfg.vocab_size,
         context_length=cfg.context_length,
         d_model=cfg.d_model,
@@ -280,3 +283,5 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         device=device,
         dtype=dtype,
     )
+    model.config = cfg
+    return model

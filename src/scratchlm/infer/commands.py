@@ -1,0 +1,109 @@
+"""`scratchlm generate`: sample completions from a trained run or checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from scratchlm.errors import UserError
+
+EOT = "<|endoftext|>"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scratchlm generate",
+        description="Continue text prompts with a trained model (a run directory, a step directory or a checkpoint file).",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="run directory, step directory or checkpoint file")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text; repeat for a batch (default: one unconditional sample)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 disables (default 50)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, mps ...")
+    return p
+
+
+def resolve_device(name: str) -> str:
+    """The torch device for a --device value; "auto" picks cuda, then mps, then cpu."""
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available")
+    return name
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def generate_command(argv: list[str]) -> int:
+    """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
+    args = _parser().parse_args(argv)
+    _check_args(args)
+    from scratchlm.infer.generate import generate
+    from scratchlm.train.checkpoint import load_trained_model
+
+    device = resolve_device(args.device)
+    model, cfg, tokenizer = load_trained_model(args.checkpoint, device)
+    if tokenizer is None:
+        raise UserError(f"{args.checkpoint} has no tokenizer/ directory beside it, so text prompts cannot be encoded")
+    eos_id = getattr(tokenizer, "special_token_ids", {}).get(EOT)
+    texts = args.prompt if args.prompt is not None else [""]
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if not ids:
+            if eos_id is None:
+                raise UserError(f"an empty prompt needs the tokenizer to have {EOT} to start from")
+            ids = [eos_id]
+        if not args.no_kv_cache and len(ids) >= cfg.context_length and args.max_new_tokens > 0:
+            raise UserError(
+                f"a prompt of {len(ids)} tokens leaves no room in context_length={cfg.context_length}; "
+                "shorten it or pass --no-kv-cache (which slides the window)"
+            )
+        prompts.append(ids)
+
+    start = time.perf_counter()
+    outs = generate(
+        model,
+        prompts,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p if args.top_p < 1 else None,
+        eos_id=eos_id,
+        use_kv_cache=not args.no_kv_cache,
+        seed=args.seed,
+    )
+    seconds = time.perf_counter() - start
+    total = sum(len(o) for o in outs)
+    for i, (text, out) in enumerate(zip(texts, outs)):
+        completion = out[:-1] if out and out[-1] == eos_id else out
+        print(f"--- sample {i + 1}/{len(outs)} ({len(out)} tokens) ---")
+        print(text + tokenizer.decode(completion))
+    cache = "off" if args.no_kv_cache else "on"
+    print(f"--- {total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tokens/s "
+          f"(device {device}, batch {len(prompts)}, KV cache {cache}) ---")
+    return 0

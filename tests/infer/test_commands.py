@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from scratchlm.errors import UserError
+from scratchlm.infer.commands import generate_command
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import build_model
+
+checkpoint = pytest.importorskip("scratchlm.train.checkpoint")
+tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    torch.manual_seed(0)
+    tok = tokenizer_mod.Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    tok.save(tmp_path / "tokenizer")
+    cfg = ModelConfig(vocab_size=257, context_length=32, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    model = build_model(cfg)
+    path = tmp_path / "model.pt"
+    checkpoint.save_checkpoint(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, path)
+    return path
+
+
+def test_generate_command_prints_completions(ckpt, capsys):
+    rc = generate_command([str(ckpt), "--prompt", "ab", "--prompt", "hello", "--max-new-tokens", "5",
+                           "--temperature", "0", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "sample 1/2" in out and "sample 2/2" in out and "tokens/s" in out
+    lines = out.splitlines()
+    assert lines[1].startswith("ab") and lines[3].startswith("hello")
+
+
+def test_cached_and_uncached_commands_agree(ckpt, capsys):
+    base = [str(ckpt), "--prompt", "xyz", "--max-new-tokens", "6", "--seed", "3", "--device", "cpu"]
+    generate_command(base)
+    cached = capsys.readouterr().out.splitlines()[:2]
+    generate_command(base + ["--no-kv-cache"])
+    uncached = capsys.readouterr().out.splitlines()[:2]
+    assert cached == uncached
+
+
+def test_generate_command_errors(ckpt):
+    with pytest.raises(UserError, match="top-p"):
+        generate_command([str(ckpt), "--top-p", "0"])
+    with pytest.raises(UserError, match="context_length"):
+        generate_command([str(ckpt), "--prompt", "x" * 40, "--device", "cpu"])
+    with pytest.raises((UserError, FileNotFoundError)):
+        generate_command([str(ckpt.parent / "missing.pt"), "--device", "cpu"])
