@@ -1,0 +1,35 @@
+import json
+
+import pytest
+
+from scratchlm.bench.commands import bench_command
+from scratchlm.errors import UserError
+
+TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "16", "--warmup", "1", "--steps", "2",
+        "--model.vocab_size=128", "--device", "cpu"]
+
+
+def test_all_modes_json_on_cpu(capsys):
+    assert bench_command([*TINY, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"forward", "forward_backward", "train_step"}
+    for r in out["modes"].values():
+        assert len(r["times"]) == 2 and r["tokens_per_s"] > 0
+    assert out["model"]["vocab_size"] == 128 and out["model"]["d_model"] == 64
+
+
+def test_fused_head_checkpointing_and_flash_torch_table(capsys):
+    argv = [*TINY, "--mode", "train_step", "--fused-lm-head", "--activation-checkpointing", "1",
+            "--attention-backend", "flash_torch"]
+    assert bench_command(argv) == 0
+    out = capsys.readouterr().out
+    assert "train_step" in out and "flash_torch" in out
+
+
+def test_bad_input_is_a_user_error():
+    with pytest.raises(UserError):
+        bench_command([*TINY, "--model.d_model=63"])
+    with pytest.raises(UserError):
+        bench_command([*TINY, "--optim.lr=1"])
+    with pytest.raises(UserError):
+        bench_command([*TINY, "--steps", "0"])
