@@ -127,7 +127,7 @@ def test_small_corpus_takes_fast_path(tmp_path, monkeypatch, tinystories):
 def test_timings_are_reported(tmp_path):
     timings: dict = {}
     train_bpe(_write(tmp_path, "hello world " * 50), 260, [], timings=timings)
-    assert set(timings) == {"pretokenize_s", "merge_s"}
+    assert set(timings) == {"pretokenize_s", "merge_s", "workers"} and timings["workers"] == 1
 
 
 def test_errors(tmp_path):

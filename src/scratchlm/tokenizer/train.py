@@ -77,7 +77,8 @@ def train_bpe(
     Returns (vocab, merges): vocab maps id -> token bytes (layout in the module docstring),
     merges lists the learned (left, right) pairs in order. ``workers`` processes count
     pretokens (default: all cores; 1 or a small file runs in this process); ``progress`` shows
-    tqdm bars on stderr; ``timings``, if given, receives ``pretokenize_s`` and ``merge_s``.
+    tqdm bars on stderr; ``timings``, if given, receives ``pretokenize_s``, ``merge_s`` and
+    ``workers`` (processes actually used).
 
     Raises UserError for a missing or unreadable file, a file that is not UTF-8 (naming the
     byte offset), a corpus with no text outside special tokens, or ``vocab_size`` smaller than
@@ -100,7 +101,8 @@ def train_bpe(
         raise UserError(f"{path}: permission denied")
 
     t0 = time.perf_counter()
-    counts = count_pretokens(path, specials, workers=workers, progress=progress)
+    used: list[int] = []
+    counts = count_pretokens(path, specials, workers=workers, progress=progress, used_workers=used)
     if not counts:
         raise UserError(f"{path}: the corpus is empty (no text outside special tokens)")
     t1 = time.perf_counter()
@@ -110,6 +112,7 @@ def train_bpe(
     if timings is not None:
         timings["pretokenize_s"] = t1 - t0
         timings["merge_s"] = t2 - t1
+        timings["workers"] = used[0]
 
     vocab = {i: bytes([i]) for i in range(256)}
     for left, right in merges:
@@ -127,19 +130,26 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 
 
 def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
-                    workers: int | None = None, progress: bool = False) -> Counter[str]:
-    """Pretoken counts of a whole file, in parallel over byte ranges cut at special tokens."""
+                    workers: int | None = None, progress: bool = False,
+                    used_workers: list[int] | None = None) -> Counter[str]:
+    """Pretoken counts of a whole file, in parallel over byte ranges cut at special tokens.
+
+    ``used_workers``, if given, receives the number of processes that counted.
+    """
     path = Path(path)
     size = path.stat().st_size
     workers = default_workers() if workers is None else max(1, int(workers))
+    used = used_workers if used_workers is not None else []
     if workers == 1 or size < SMALL_CORPUS_BYTES:
+        used.append(1)
         return count_pretokens_in_range(path, 0, size, special_tokens)
 
     num_chunks = max(workers * CHUNKS_PER_WORKER, -(-size // MAX_CHUNK_BYTES))
     bounds = find_chunk_boundaries(path, num_chunks, special_tokens)
     ranges = list(zip(bounds[:-1], bounds[1:]))
     total: Counter[str] = Counter()
-    with ProcessPoolExecutor(max_workers=min(workers, len(ranges)), mp_context=_pool_context()) as pool:
+    used.append(min(workers, len(ranges)))
+    with ProcessPoolExecutor(max_workers=used[-1], mp_context=_pool_context()) as pool:
         # The bar comes after the pool: tqdm starts a monitor thread, and fork wants none.
         bar = _progress_bar(progress, total=len(ranges), desc="pretokenize", unit="chunk")
         futures = [pool.submit(count_pretokens_in_range, path, a, b, list(special_tokens)) for a, b in ranges]

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scratchlm.cli import main
+from scratchlm.errors import UserError
+from scratchlm.tokenizer.commands import tokenizer_stats_command, train_bpe_command
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.tokenizer.train import train_bpe
+
+
+@pytest.fixture
+def corpus(tmp_path, tinystories_text):
+    path = tmp_path / "stories.txt"
+    path.write_text(tinystories_text[:100_000].replace("\n\n", "<|endoftext|>"), encoding="utf-8")
+    return path
+
+
+def test_train_bpe_command_writes_tokenizer_and_summary(corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    assert train_bpe_command([str(corpus), "--vocab-size", "500", "--special-token", "<|endoftext|>",
+                              "--out", str(out), "--quiet"]) == 0
+    tok = Tokenizer.load(out)
+    vocab, merges = train_bpe(corpus, 500, ["<|endoftext|>"])
+    assert tok.vocab == vocab and tok.merges == merges and tok.eot_id == 499
+    summary = json.loads((out / "train_bpe.json").read_text())
+    assert summary["vocab_size"] == 500 and summary["tokenizer_hash"] == tok.hash
+    assert summary["total_s"] >= summary["merge_s"] > 0 and summary["peak_rss_mb"] > 0
+    printed = capsys.readouterr().out
+    for word in ("pretokenize", "merges", "total", "peak RSS"):
+        assert word in printed
+
+
+def test_tokenizer_stats_command(corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    train_bpe_command([str(corpus), "--vocab-size", "400", "--special-token", "<|endoftext|>",
+                       "--out", str(out), "--quiet"])
+    capsys.readouterr()
+    assert tokenizer_stats_command([str(out), str(corpus), "--json", "--top", "5"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.load(out)
+    ids = tok.encode(corpus.read_text(encoding="utf-8"))
+    assert stats["num_tokens"] == len(ids)
+    assert stats["bytes_per_token"] == pytest.approx(corpus.stat().st_size / len(ids))
+    assert stats["distinct_tokens_used"] == len(set(ids))
+    assert 0 < stats["vocab_used_fraction"] <= 1
+    assert len(stats["longest_tokens"]) == 5 and len(stats["most_frequent_tokens"]) == 5
+    assert sum(stats["token_bytes_histogram_vocab"].values()) == 399  # all but the special token
+    assert sum(stats["token_bytes_histogram_sample"].values()) == len(ids)
+    assert tokenizer_stats_command([str(out), str(corpus), "--max-mb", "0.01"]) == 0
+    report = capsys.readouterr().out
+    assert "bytes/token" in report and "longest tokens" in report
+
+
+def test_bad_input_is_one_line_error(tmp_path, corpus, capsys):
+    assert main(["train-bpe", str(tmp_path / "missing.txt"), "--vocab-size", "300", "--out", str(tmp_path / "o")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["train-bpe", str(corpus), "--vocab-size", "100", "--out", str(tmp_path / "o")]) == 2
+    assert "at least 256" in capsys.readouterr().err
+    assert main(["tokenizer-stats", str(tmp_path), str(corpus)]) == 2
+    assert "not a tokenizer directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_bpe_command([str(corpus), "--out", str(tmp_path / "o")])  # --vocab-size is required
+    with pytest.raises(UserError):
+        tokenizer_stats_command([str(tmp_path), str(corpus), "--max-mb", "0"])
