@@ -192,3 +192,16 @@ def test_empty_input_gives_empty_token_file(tokenizer, tmp_path):
     meta = encode_corpus(src, tokenizer, tmp_path / "e.bin", progress=False)
     assert meta["num_tokens"] == 0 and meta["num_documents"] == 0
     assert (tmp_path / "e.bin").stat().st_size == 0
+
+
+def test_spawned_workers_reload_the_tokenizer_from_its_directory(tokenizer, tokenizer_dir, tmp_path,
+                                                                 monkeypatch):
+    # the start method used when the caller runs threads; fork is taken otherwise on Linux
+    import multiprocessing
+
+    monkeypatch.setattr(ec, "_pool_context", lambda: multiprocessing.get_context("spawn"))
+    text = random_text(5, 6_000, eot_every=25)
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    encode_corpus(src, tokenizer_dir, tmp_path / "c.bin", num_workers=2, chunk_bytes=2000, progress=False)
+    np.testing.assert_array_equal(read_bin(tmp_path / "c.bin"), tokenizer.encode(text))

@@ -1,0 +1,7 @@
+"""Token datasets: memory-mapped token files, batch sampling, the dataset registry and download.
+
+Modules: ``batch`` (``open_tokens``, ``get_batch``, ``BatchSampler``, ``iterate_eval_batches``;
+imports torch), ``registry`` and ``download`` (standard library only), ``config``
+(``DataConfig``) and ``commands`` (``scratchlm encode`` / ``scratchlm download``). Nothing is
+imported here, so ``scratchlm download`` starts without torch.
+"""
