@@ -61,3 +61,13 @@ def test_buffers_not_in_state_dict_and_dtype_kept():
 def test_odd_dim_rejected():
     with pytest.raises(ValueError):
         RotaryEmbedding(10_000.0, 7, 16)
+
+
+def test_tables_survive_casts_and_to_empty():
+    rope = RotaryEmbedding(10_000.0, 8, 4096)
+    cos = rope.cos.clone()
+    rope.to(torch.bfloat16)
+    assert rope.cos.dtype == torch.float32 and torch.equal(rope.cos, cos)
+    meta = RotaryEmbedding(10_000.0, 8, 4096, device="meta")
+    meta.to_empty(device="cpu")
+    assert torch.equal(meta.cos, cos) and torch.equal(meta.sin, rope.sin)

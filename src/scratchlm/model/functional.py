@@ -77,15 +77,20 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     A query row with no allowed key returns zeros (rather than NaN) so that padded rows stay
     harmless.
     """
-    d = q.shape[-1]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (..., Tq, Tk)
-    if mask is None:
-        return softmax(scores, dim=-1) @ v
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = softmax(scores, dim=-1)
-    # Fully masked rows are NaN after the softmax; zero them (every entry is masked there).
-    probs = probs.masked_fill(~mask, 0.0)
-    return probs @ v
+    out_dtype = v.dtype
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    # The whole computation runs in at least float32, autocast or not (like RMSNorm): bf16
+    # scores of size ~30 are off by ~0.1 before the exp, which visibly moves the weights.
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (..., Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = softmax(scores, dim=-1)
+        if mask is not None:
+            # Fully masked rows are NaN after the softmax; zero them (every entry is masked there).
+            probs = probs.masked_fill(~mask, 0.0)
+        return (probs @ v).to(out_dtype)
 
 
 def causal_mask(T_q: int, T_k: int | None = None, *, device: torch.device | str | None = None) -> Tensor:

@@ -5,8 +5,9 @@ p · theta^(-2i/d_k). This is the layout of the original RoPE paper and of Meta'
 (`view_as_complex` on adjacent pairs); Hugging Face's Llama instead rotates the halves
 (x[i], x[i + d_k/2]), so its q/k projections are a row permutation of ours.
 
-The cos/sin tables are non-persistent buffers: they are recomputed from (theta, d_k,
-max_seq_len), never stored in a checkpoint.
+The cos/sin tables are non-persistent float32 buffers: they are recomputed from (theta, d_k,
+max_seq_len), never stored in a checkpoint, and rebuilt in float32 whenever the module is
+moved or cast (so `model.to(torch.bfloat16)` or `to_empty()` leave them exact).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class RotaryEmbedding(nn.Module):
         angles = rope_angles(theta, d_k, max_seq_len, device=device)
         self.register_buffer("cos", torch.cos(angles), persistent=False)  # (max_seq_len, d_k/2)
         self.register_buffer("sin", torch.sin(angles), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Rebuild the tables after every .to()/.half()/.to_empty(): casting them to bf16 would
+        # blur the angles of far positions, and to_empty() would leave them uninitialised.
+        super()._apply(fn, recurse)
+        if self.cos.device.type != "meta":
+            angles = rope_angles(self.theta, self.d_k, self.max_seq_len, device=self.cos.device)
+            self.cos, self.sin = torch.cos(angles), torch.sin(angles)
+        return self
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         if x.shape[-1] != self.d_k:
