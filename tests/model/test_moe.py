@@ -230,3 +230,26 @@ def test_moe_transformer_trains_with_aux_loss():
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     assert moe_metrics(torch.nn.Linear(2, 2)) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_cuda_matches_reference_and_runs_under_autocast(capacity_factor):
+    torch.manual_seed(0)
+    moe = MoEFFN(D, F, 8, 2, capacity_factor=capacity_factor, num_shared_experts=1, device="cuda",
+                 dtype=torch.float64)
+    x = torch.randn(4, 50, D, device="cuda", dtype=torch.float64)
+    y1, g1, gx1 = _grads(moe, x, _grouped(moe))
+    y2, g2, gx2 = _grads(moe, x, _naive(moe))
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(gx1, gx2)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], msg=name)
+    # Under bf16 autocast the experts' outputs are bf16 while x is fp32.
+    moe32 = MoEFFN(D, F, 8, 2, capacity_factor=capacity_factor, device="cuda")
+    x32 = torch.randn(4, 50, D, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = moe32(x32)
+        ref, _ = moe_reference(moe32, x32)
+    y.float().sum().backward()
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)

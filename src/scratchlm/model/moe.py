@@ -162,14 +162,19 @@ class MoEFFN(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(k * N, device=x.device) - starts[sorted_expert]  # place within its expert
 
-        routed = x2.new_zeros(k * N, self.d_model)  # expert output per assignment, priority order
+        # routed: (k·N, D) expert output per assignment in priority order. Its dtype is the
+        # experts' (bf16 under autocast), not necessarily x's.
         if self.capacity_factor is None:
             dropped = torch.zeros((), device=x.device, dtype=torch.long)
             xs = x2[flat_token[order]]  # (k·N, D), grouped by expert
+            routed = x2.new_zeros(k * N, self.d_model)  # only used when N == 0
             pieces = []
-            for e, xe in enumerate(torch.split(xs, counts.tolist())):  # one host sync
+            # unbind, not w[e]: indexing would give each expert's backward a zero-filled full
+            # (E, ·, ·) gradient to add up; unbind's backward is one stack.
+            experts_w = zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))
+            for (w1, w3, w2), xe in zip(experts_w, torch.split(xs, counts.tolist())):  # one host sync
                 if xe.shape[0]:
-                    pieces.append((silu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())) @ self.w2[e].t())
+                    pieces.append((silu(xe @ w1.t()) * (xe @ w3.t())) @ w2.t())
             if pieces:
                 # Undo the sort with a gather (index_copy would keep its source for backward).
                 inverse = torch.empty_like(order)
@@ -184,7 +189,7 @@ class MoEFFN(nn.Module):
             rows = sorted_expert[keep] * C + slot[keep]
             buf = x2.new_zeros(E * C, self.d_model).index_copy(0, rows, x2[flat_token[kept]])
             ys = _swiglu_bmm(buf.view(E, C, self.d_model), self.w1, self.w3, self.w2).view(E * C, self.d_model)
-            routed = routed.index_copy(0, kept, ys[rows])
+            routed = ys.new_zeros(k * N, self.d_model).index_copy(0, kept, ys[rows])
 
         # Weighted sum over each token's k choices; dropped assignments contribute zero.
         out = (routed * flat_gate[:, None]).view(k, N, self.d_model).sum(dim=0)
