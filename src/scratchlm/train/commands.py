@@ -1,0 +1,125 @@
+"""`scratchlm train` and `scratchlm eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from scratchlm.config import load_config, split_overrides
+from scratchlm.errors import UserError
+from scratchlm.train.config import TrainConfig
+
+
+def train_command(argv: list[str]) -> int:
+    """scratchlm train [CONFIG] [--section.key=value ...] [--resume | --overwrite]"""
+    parser = argparse.ArgumentParser(
+        prog="scratchlm train",
+        description="Train a Transformer LM. CONFIG is a TOML file or a preset name from configs/; "
+                    "any field can be overridden as --section.key=value (e.g. --optim.lr=3e-4).")
+    parser.add_argument("config", nargs="?", help="TOML config or preset name (default: built-in defaults)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue RUN/checkpoints/latest of trainer.out_dir")
+    mode.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
+    positional, overrides = split_overrides(argv)
+    args = parser.parse_args(positional)
+    cfg = load_config(TrainConfig, args.config, overrides)
+    run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Prepare the run directory, build the trainer (and the parallel engine when asked), train."""
+    from scratchlm.train.run_dir import prepare_run_dir
+    from scratchlm.train.trainer import Trainer
+
+    engine = None
+    if cfg.parallel.strategy != "none":
+        from scratchlm.parallel.engine import init_engine
+
+        engine = init_engine(cfg.parallel)
+    is_main = engine.is_main if engine else True
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
+    run_dir = Path(cfg.trainer.out_dir)
+    try:
+        if is_main:
+            prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+            if resume:
+                _check_same_model(cfg, run_dir)
+        if engine is not None:
+            engine.barrier()
+        trainer = Trainer(cfg, run_dir, resume=resume, engine=engine)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.logger.close()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
+    """A resumed run must keep its model shape (other settings, e.g. max_steps, may change)."""
+    from scratchlm.config import config_to_dict
+
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        return
+    old = tomllib.loads(saved.read_text(encoding="utf-8")).get("model", {})
+    new = config_to_dict(cfg.model)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if changed:
+        raise UserError(f"--resume: the model in {saved} differs from this config in "
+                        f"{', '.join('model.' + k for k in changed)}")
+
+
+def eval_command(argv: list[str]) -> int:
+    """scratchlm eval RUN --data X.bin: validation loss and perplexity of a trained model."""
+    parser = argparse.ArgumentParser(prog="scratchlm eval",
+                                     description="Validation loss and perplexity of a trained model on a token file.")
+    parser.add_argument("run", help="run directory, step directory or checkpoint file")
+    parser.add_argument("--data", required=True, help="token file (.bin with its .json sidecar)")
+    parser.add_argument("--batches", type=int, default=50, help="batches to evaluate (0 = the whole file)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = parser.parse_args(argv)
+    if args.batches < 0 or args.batch_size <= 0:
+        raise UserError("--batches must be >= 0 and --batch-size > 0")
+    result = evaluate_run(args.run, args.data, batches=args.batches, batch_size=args.batch_size, device=args.device)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"val loss {result['val_loss']:.4f} | val ppl {result['val_ppl']:.2f} | "
+              f"{result['tokens']:,} tokens | {result['checkpoint']}")
+    return 0
+
+
+def evaluate_run(run: str, data: str, *, batches: int, batch_size: int, device: str = "auto") -> dict[str, Any]:
+    """The validation loss of the model at `run` over the first `batches` batches of `data`."""
+    import torch
+
+    from scratchlm.data.batch import iterate_eval_batches
+    from scratchlm.train.checkpoint import load_trained_model, resolve_checkpoint
+    from scratchlm.train.data_feed import evaluate, open_checked
+    from scratchlm.train.metrics import perplexity
+    from scratchlm.train.trainer import resolve_device
+
+    dev = resolve_device(device)
+    model, model_cfg, _ = load_trained_model(run, device=dev)
+    tokens = open_checked(data, model_cfg, "--data")
+    counted = []
+
+    def counting(it):
+        for x, y in it:
+            counted.append(y.numel())
+            yield x, y
+
+    it = iterate_eval_batches(tokens, batch_size, model_cfg.context_length, batches or None, device=dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss = evaluate(model, counting(it))
+    return {"val_loss": loss, "val_ppl": perplexity(loss), "tokens": sum(counted),
+            "checkpoint": str(resolve_checkpoint(run))}

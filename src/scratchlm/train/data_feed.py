@@ -1,0 +1,92 @@
+"""The trainer's view of the data: token files opened and checked, the batch sampler, the
+validation batches, and the validation loss."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scratchlm.data.config import DataConfig
+from scratchlm.errors import UserError
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.functional import cross_entropy
+
+
+def open_checked(path: str, model_cfg: ModelConfig, what: str):
+    """A token file as a memmap, refused when its vocabulary is larger than the model's."""
+    from scratchlm.data.batch import open_tokens
+
+    tokens = open_tokens(path, context_length=model_cfg.context_length)
+    sidecar = Path(path).with_suffix(".json")
+    if sidecar.is_file():
+        vocab = json.loads(sidecar.read_text(encoding="utf-8")).get("vocab_size")
+        if vocab is not None and vocab > model_cfg.vocab_size:
+            raise UserError(f"{what} {path} was encoded with a vocabulary of {vocab} tokens, "
+                            f"larger than model.vocab_size={model_cfg.vocab_size}")
+    return tokens
+
+
+class TrainData:
+    """Training batches from `data.train_path`, validation batches from `data.val_path`.
+
+    `batch_size` is the global micro-batch; each rank gets its disjoint slice of it.
+    """
+
+    def __init__(self, data_cfg: DataConfig, model_cfg: ModelConfig, *, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        from scratchlm.data.batch import BatchSampler
+
+        if not data_cfg.train_path:
+            raise UserError("data.train_path is not set (a .bin token file from `scratchlm encode`)")
+        if batch_size % world_size:
+            raise UserError(f"the micro-batch of {batch_size} sequences (trainer.batch_size / "
+                            f"trainer.grad_accum_steps) does not split over {world_size} ranks")
+        self.context_length = model_cfg.context_length
+        self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
+        self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path")
+        self.val_tokens = open_checked(data_cfg.val_path, model_cfg, "data.val_path") if data_cfg.val_path else None
+        self.sampler = BatchSampler(self.train_tokens, batch_size, self.context_length,
+                                    seed=seed, rank=rank, world_size=world_size)
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_tokens is not None
+
+    def next_batch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (x, y) of the next training micro-batch, each (B, T) int64."""
+        return self.sampler.next_batch(device)
+
+    def eval_batches(self, num_batches: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The first `num_batches` validation batches (the same every call); ranks take turns."""
+        from scratchlm.data.batch import iterate_eval_batches
+
+        batches = iterate_eval_batches(self.val_tokens, self.batch_size, self.context_length, num_batches,
+                                       device=device)
+        for i, batch in enumerate(batches):
+            if i % self.world_size == self.rank:
+                yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy per token of `model` over `batches` (weighted by their sizes)."""
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for x, y in batches:
+        loss = cross_entropy(model(x), y)
+        total += loss.double().cpu() * y.numel()
+        count += y.numel()
+    if count == 0:
+        raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
+    return float(total / count)

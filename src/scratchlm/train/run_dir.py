@@ -1,0 +1,86 @@
+"""The run directory: creating it safely, and what makes a run self-describing.
+
+A run directory is never silently reused: starting a run where one already exists needs
+`--resume` (continue it) or `--overwrite` (replace it), and `--overwrite` deletes only
+directories that look like runs, never an arbitrary folder given by mistake.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from scratchlm.errors import UserError
+
+_RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoints")
+_VERSIONED = ("scratchlm", "torch", "numpy", "safetensors", "tqdm", "regex", "triton")
+
+
+def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
+    """Create or reuse `path` as a run directory, following the rules above."""
+    path = Path(path)
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite contradict each other; pass one")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"run directory {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        looks_like_run = any((path / m).exists() for m in _RUN_MARKERS)
+        if overwrite:
+            if not looks_like_run:
+                raise UserError(f"--overwrite refuses to delete {path}: it does not look like a run directory")
+            shutil.rmtree(path)
+        elif not resume:
+            raise UserError(
+                f"run directory {path} already exists; pass --resume to continue it "
+                "or --overwrite to replace it"
+            )
+        elif not looks_like_run:
+            raise UserError(f"--resume: {path} is not empty and does not look like a run directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def git_revision() -> str | None:
+    """The commit of the source tree scratchlm runs from, with ``-dirty`` for local changes."""
+    src = Path(__file__).resolve().parents[3]
+    try:
+        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{rev}-dirty" if dirty else rev
+
+
+def package_versions() -> dict[str, str]:
+    """Python and the versions of the packages a run depends on (those installed)."""
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def environment_info() -> dict[str, Any]:
+    """What to record about where a run ran: git revision, package versions, host."""
+    return {"git_revision": git_revision(), "versions": package_versions(), "host": platform.node()}
+
+
+def copy_tokenizer(tokenizer_dir: str, run_dir: Path) -> Path | None:
+    """Copy the configured tokenizer directory into ``RUN/tokenizer`` (for sampling/export)."""
+    if not tokenizer_dir:
+        return None
+    src = Path(tokenizer_dir)
+    if not src.is_dir():
+        raise UserError(f"data.tokenizer_dir {src} is not a directory")
+    dst = run_dir / "tokenizer"
+    if src.resolve() != dst.resolve():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst

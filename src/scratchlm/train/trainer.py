@@ -1,0 +1,346 @@
+"""The training loop: builds model, optimizer and data sampler from a TrainConfig and runs them.
+
+One optimizer step = `grad_accum_steps` micro-batches forward/backward (loss scaled by
+1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW step with the
+scheduled learning rate. Update number ``s`` (1-based) uses ``learning_rate(s)``, so the
+first update is not wasted at lr 0 and the last one uses `min_lr`.
+
+Resuming is exact: a checkpoint holds weights, optimizer state, RNG states, the sampler's
+position and the partial train-loss window, and on resume metrics.jsonl is cut back to the
+checkpoint's step; with `trainer.deterministic` an interrupted-and-resumed run logs bitwise the
+same losses as an uninterrupted one (tests/train/test_trainer.py checks this).
+
+Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
+never costs the newest checkpoint.
+
+Parallel runs (``parallel.strategy != "none"``) go through the engine of
+`scratchlm.parallel.engine`: rank 0 logs and writes checkpoints; each rank draws its disjoint
+slice of the same global batch, so the global batch is `trainer.batch_size` whatever the
+world size (micro-batch per rank = batch_size / (grad_accum_steps · world_size)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scratchlm.config import config_to_dict, config_to_toml
+from scratchlm.errors import UserError
+from scratchlm.model.functional import cross_entropy
+from scratchlm.optim import build_optimizer, learning_rate
+from scratchlm.optim.adamw import AdamW
+from scratchlm.optim.clip import clip_grad_norm
+from scratchlm.train import checkpoint as ckpt
+from scratchlm.train.config import TrainConfig
+from scratchlm.train.data_feed import TrainData, evaluate
+from scratchlm.train.metrics import (
+    MetricsLogger, NullLogger, Throughput, format_line, memory_gb, open_loggers, peak_flops, perplexity,
+    read_metrics, train_flops_per_token, truncate_metrics,
+)
+from scratchlm.train.run_dir import copy_tokenizer, environment_info
+
+log = logging.getLogger("scratchlm.train")
+PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> cuda when available, else cpu; anything else as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"trainer.device={name!r} but CUDA is not available")
+    return device
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs this workspace setting before its first use to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """Trains `cfg.model` on `cfg.data` into `run_dir`; `fit()` runs the loop."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, engine: Any = None,
+                 logger: MetricsLogger | None = None) -> None:
+        from scratchlm.model.transformer import build_model
+
+        self.cfg, self.run_dir, self.engine = cfg, Path(run_dir), engine
+        tc = cfg.trainer
+        self.rank = engine.rank if engine else 0
+        self.world_size = engine.world_size if engine else 1
+        self.is_main = engine.is_main if engine else True
+        self.device = engine.device if engine else resolve_device(tc.device)
+        self.bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and self.device.type == "cuda")
+        seed_everything(tc.seed, tc.deterministic)
+
+        self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
+                              seed=tc.seed, rank=self.rank, world_size=self.world_size)
+        self.raw_model = build_model(cfg.model, device=self.device)
+        self.model = self._wrap_model(self.raw_model)
+        self.optimizer = self._build_optimizer()
+
+        self.step = 0
+        self._last_plot = time.monotonic()
+        self._window_loss = torch.zeros((), device=self.device)
+        self._window_steps = 0
+        self.config_text = config_to_toml(cfg)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
+            copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
+        if resume:
+            self._resume()
+        elif self.is_main and (self.run_dir / "metrics.jsonl").exists():
+            truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log
+        if logger is None:
+            logger = NullLogger() if not self.is_main else open_loggers(
+                self.run_dir, wandb_project=tc.wandb_project, tensorboard=tc.tensorboard, config=config_to_dict(cfg))
+        self.logger = logger
+        num_params = sum(p.numel() for p in self.raw_model.parameters())
+        self.throughput = Throughput(train_flops_per_token(cfg.model), world_size=self.world_size,
+                                     peak=peak_flops(self.device, bf16=self.bf16, override=tc.peak_flops))
+        self.logger.log({"event": "resume" if self.step else "start", "step": self.step,
+                         "num_params": num_params, "device": str(self.device), "world_size": self.world_size,
+                         "precision": "bf16" if self.bf16 else "fp32", **environment_info()})
+
+    # ------------------------------------------------------------------ setup
+
+    def _wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        tc = self.cfg.trainer
+        if tc.activation_checkpointing:
+            from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
+        if tc.compile:
+            model = torch.compile(model)
+        if self.engine is not None:
+            model = self.engine.wrap_model(model)
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        oc = self.cfg.optim
+        if self.engine is None:
+            return build_optimizer(self.raw_model, oc)
+        return self.engine.build_optimizer(self.model, AdamW, lr=oc.lr, betas=(oc.beta1, oc.beta2),
+                                           eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach)
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, *, until: int | None = None) -> dict[str, Any]:
+        """Train up to `trainer.max_steps` (or stop early at step `until`, checkpointing there).
+
+        Returns the last train and eval records.
+        """
+        tc = self.cfg.trainer
+        stop = tc.max_steps if until is None else min(until, tc.max_steps)
+        last: dict[str, Any] = {}
+        if self.step == 0 and tc.eval_at_start and self.data.has_validation:
+            last["eval"] = self._evaluate()
+        elif self.step and self._eval_due(self.step) and not self._has_eval_record(self.step):
+            last["eval"] = self._evaluate()  # the run stopped between its checkpoint and this eval
+        bar = self._progress_bar(stop)
+        try:
+            while self.step < stop:
+                self._train_step()
+                bar.update(1)
+                if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                    last["train"] = self._log_train()
+                    bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
+                at_end = self.step == stop
+                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
+                    self.save_checkpoint()
+                if self._eval_due(self.step):
+                    last["eval"] = self._evaluate()
+        finally:
+            bar.close()
+        if self.step == tc.max_steps and until is None:
+            self._finish()
+        return last
+
+    def _train_step(self) -> None:
+        tc, oc = self.cfg.trainer, self.cfg.optim
+        lr = learning_rate(oc, self.step + 1, tc.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        accum = tc.grad_accum_steps
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.data.next_batch(self.device)
+            with self._no_sync(micro < accum - 1), self._autocast():
+                logits = self.model(x)
+            loss = cross_entropy(logits, y) / accum
+            loss.backward()
+            step_loss += loss.detach()
+        if self.engine is not None:
+            self.engine.sync_gradients(self.model)
+        max_norm = oc.grad_clip if oc.grad_clip > 0 else math.inf
+        if self.engine is not None:
+            self._grad_norm = self.engine.clip_grad_norm(self.model, max_norm)
+        else:
+            self._grad_norm = clip_grad_norm(self.raw_model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._lr = lr
+        self._window_loss += step_loss
+        self._window_steps += 1
+        self.throughput.add(tc.batch_size * self.cfg.model.context_length)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def _no_sync(self, skip: bool):
+        no_sync = getattr(self.engine, "no_sync", None)
+        return no_sync(self.model) if skip and no_sync is not None else contextlib.nullcontext()
+
+    def _log_train(self) -> dict[str, Any]:
+        loss = (self._window_loss / self._window_steps).item()
+        if self.engine is not None:
+            loss = self.engine.all_reduce_mean(loss)
+        if not math.isfinite(loss):
+            raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
+        record = {"event": "train", "step": self.step, "loss": loss, "lr": self._lr,
+                  "grad_norm": float(self._grad_norm), **self.throughput.measure(self.device),
+                  "memory_gb": memory_gb(self.device)}
+        self._window_loss.zero_()
+        self._window_steps = 0
+        self._emit(record)
+        return record
+
+    def _eval_due(self, step: int) -> bool:
+        if not self.data.has_validation:
+            return False
+        interval = self.cfg.trainer.eval_interval
+        return step == self.cfg.trainer.max_steps or (interval > 0 and step % interval == 0)
+
+    def _has_eval_record(self, step: int) -> bool:
+        path = self.run_dir / "metrics.jsonl"
+        return path.is_file() and any(r.get("event") == "eval" and r.get("step") == step
+                                      for r in read_metrics(path))
+
+    def _evaluate(self) -> dict[str, Any]:
+        self.model.eval()
+        try:
+            with self._autocast():
+                loss = evaluate(self.model, self.data.eval_batches(self.cfg.trainer.eval_batches, self.device))
+        finally:
+            self.model.train()
+        if self.engine is not None:
+            loss = self.engine.all_reduce_mean(loss)
+        record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
+        self._emit(record)
+        if self.is_main and time.monotonic() - self._last_plot > PLOT_EVERY_S:
+            self._plot()  # mid-run plots of long runs; the end of training always plots
+        return record
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.logger.log(record)
+        if self.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(format_line(record), file=sys.stdout)
+
+    def _progress_bar(self, stop: int):
+        from tqdm import tqdm
+
+        disable = not (self.is_main and self.cfg.trainer.progress)
+        return tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=disable,
+                    dynamic_ncols=True, leave=False)
+
+    def _plot(self) -> None:
+        from scratchlm.train.plots import plot_metrics
+
+        self._last_plot = time.monotonic()
+        try:
+            plot_metrics(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir)
+        except Exception as exc:  # a plotting problem must never stop training
+            log.warning("could not write plots: %s", exc)
+
+    def _finish(self) -> None:
+        if self.is_main:
+            self._plot()
+            if self.cfg.trainer.sample_tokens > 0:
+                from scratchlm.train.samples import write_samples
+
+                write_samples(self.raw_model, self.cfg, self.run_dir, self.device)
+        self.logger.log({"event": "end", "step": self.step})
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """Write RUN/checkpoints/step_N atomically (all ranks call this in parallel runs)."""
+        engine = self.engine
+        model_state = engine.full_state_dict(self.model) if engine else ckpt.unwrapped_state_dict(self.raw_model)
+        optim_state = engine.optimizer_state_dict(self.optimizer) if engine else self.optimizer.state_dict()
+        state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
+                 "sampler": self.data.state_dict(),
+                 "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps}}
+        if self.is_main:
+            staging = ckpt.staging_dir(self.run_dir, self.step)
+        self._barrier()
+        if not self.is_main:
+            staging = ckpt.staging_dir(self.run_dir, self.step, create=False)
+            if optim_state is not None:
+                ckpt.write_torch(optim_state, staging / f"optimizer.rank{self.rank}.pt")
+            ckpt.write_torch(state, staging / f"state.rank{self.rank}.pt")
+        else:
+            ckpt.write_step_files(staging, model_state=model_state, optimizer_state=optim_state,
+                                  state={**state, **environment_info()}, config_text=self.config_text)
+        self._barrier()
+        path = ckpt.staging_dir(self.run_dir, self.step, create=False).parent / ckpt.step_dir_name(self.step)
+        if self.is_main:
+            ckpt.commit_step(self.run_dir, self.step, keep=self.cfg.trainer.keep_checkpoints)
+        self._barrier()
+        return path
+
+    def _barrier(self) -> None:
+        if self.engine is not None:
+            self.engine.barrier()
+
+    def _resume(self) -> None:
+        step_dir = ckpt.latest_step_dir(self.run_dir)
+        if step_dir is None:
+            log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
+            if self.is_main:
+                truncate_metrics(self.run_dir / "metrics.jsonl", -1)
+            return
+        suffix = f".rank{self.rank}.pt"
+        state_file = step_dir / (f"state{suffix}" if self.rank else ckpt.STATE)
+        optim_file = step_dir / f"optimizer{suffix}"
+        optim_file = optim_file if optim_file.is_file() else step_dir / ckpt.OPTIMIZER
+        state = ckpt.read_torch(state_file)
+        if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
+            raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
+                            f"state; resume it with the same number of ranks, not {self.world_size}")
+        weights = ckpt.load_weights(step_dir / ckpt.WEIGHTS)
+        if self.engine is not None:
+            self.engine.load_full_state_dict(self.model, weights)
+            self.engine.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
+        else:
+            self.raw_model.load_state_dict(weights)
+            self.optimizer.load_state_dict(ckpt.read_torch(optim_file))
+        self.data.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self._window_loss.fill_(state["loop"]["window_loss"])
+        self._window_steps = int(state["loop"]["window_steps"])
+        if self.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            log.info("resumed %s at step %d", self.run_dir, self.step)

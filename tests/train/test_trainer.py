@@ -1,0 +1,207 @@
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from scratchlm.config import load_config
+from scratchlm.errors import UserError
+from scratchlm.model.config import ModelConfig
+from scratchlm.train import trainer as trainer_mod
+from scratchlm.train.commands import eval_command, run_training, train_command
+from scratchlm.train.config import TrainConfig, TrainerConfig
+from scratchlm.train.data_feed import TrainData
+from scratchlm.train.metrics import read_metrics
+
+VOCAB = 48
+
+
+def _write_tokens(path, n, seed):
+    """A learnable stream: a noisy counter modulo VOCAB, as a uint16 token file with its sidecar."""
+    rng = np.random.default_rng(seed)
+    ids = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, VOCAB, n)) % VOCAB
+    ids.astype(np.uint16).tofile(path)
+    path.with_suffix(".json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": VOCAB, "tokenizer_hash": "", "num_documents": 1, "num_tokens": n}))
+    return str(path)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    train = _write_tokens(tmp_path / "train.bin", 4000, 0)
+    val = _write_tokens(tmp_path / "val.bin", 1000, 1)
+    return load_config(TrainConfig, None, [
+        f"--data.train_path={train}", f"--data.val_path={val}",
+        f"--model.vocab_size={VOCAB}", "--model.context_length=16", "--model.d_model=32",
+        "--model.num_layers=2", "--model.num_heads=4", "--model.d_ff=48",
+        "--optim.lr=1e-2", "--optim.min_lr=1e-3", "--optim.warmup_steps=2",
+        f"--trainer.out_dir={tmp_path / 'run'}", "--trainer.batch_size=4", "--trainer.max_steps=12",
+        "--trainer.log_interval=1", "--trainer.eval_interval=4", "--trainer.eval_batches=2",
+        "--trainer.checkpoint_interval=4", "--trainer.keep_checkpoints=2", "--trainer.device=cpu",
+        "--trainer.deterministic=true", "--trainer.progress=false",
+    ])
+
+
+def _with_out(cfg, out):
+    return replace(cfg, trainer=replace(cfg.trainer, out_dir=str(out)))
+
+
+def _losses(run_dir, event="train", key="loss"):
+    return [(r["step"], r[key]) for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == event]
+
+
+def _weights(run_dir):
+    from scratchlm.train.checkpoint import latest_step_dir, load_weights
+
+    return load_weights(latest_step_dir(run_dir) / "model.safetensors")
+
+
+def test_training_logs_checkpoints_evaluates_and_plots(cfg, tmp_path, capsys):
+    run_training(cfg)
+    run = tmp_path / "run"
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["event"] for r in records][:2] == ["start", "eval"] and records[-1]["event"] == "end"
+    assert [s for s, _ in _losses(run)] == list(range(1, 13))
+    evals = _losses(run, "eval", "val_loss")
+    assert [s for s, _ in evals] == [0, 4, 8, 12]
+    assert evals[-1][1] < evals[0][1] - 0.5  # it learns the counter
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000008", "step_000012"]
+    assert (run / "loss.png").stat().st_size > 1000 and (run / "lr.png").is_file()
+    assert (run / "config.toml").is_file() and load_config(TrainConfig, run / "config.toml") == cfg
+    start = records[0]
+    assert start["versions"]["torch"] == torch.__version__ and "git_revision" in start
+    train = records[2]
+    assert train["mfu"] is None and train["tokens_per_s"] > 0 and train["lr"] == pytest.approx(5e-3)
+    out = capsys.readouterr().out
+    assert "step      0 | val loss" in out and "mfu n/a" in out
+
+
+def test_interrupted_and_resumed_run_logs_the_same_losses_bitwise(cfg, tmp_path, monkeypatch):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_training(_with_out(cfg, straight))
+
+    calls = {"n": 0}
+    real_next = TrainData.next_batch
+
+    def crash_at_step_7(self, device):
+        calls["n"] += 1
+        if calls["n"] == 7:  # after the checkpoint at step 4 and two logged steps past it
+            raise RuntimeError("node lost")
+        return real_next(self, device)
+
+    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="node lost"):
+        run_training(_with_out(cfg, broken))
+    assert [s for s, _ in _losses(broken)] == list(range(1, 7))  # steps 5, 6 logged, then lost
+    monkeypatch.setattr(TrainData, "next_batch", real_next)
+    run_training(_with_out(cfg, broken), resume=True)
+
+    assert _losses(broken) == _losses(straight)  # exact floats, truncated steps replaced
+    assert _losses(broken, "eval", "val_loss") == _losses(straight, "eval", "val_loss")
+    a, b = _weights(straight), _weights(broken)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_a_partial_log_window(cfg, tmp_path):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, log_interval=3, checkpoint_interval=4, eval_interval=0))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_training(_with_out(cfg, straight))
+    trainer = trainer_mod.Trainer(_with_out(cfg, split), split)
+    trainer.fit(until=4)  # stops mid-window (logs at 3, 6, ...)
+    trainer.logger.close()
+    run_training(_with_out(cfg, split), resume=True)
+    assert _losses(split) == _losses(straight)
+
+
+def test_a_crash_in_evaluation_keeps_the_checkpoint_and_resume_redoes_the_eval(cfg, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real = trainer_mod.evaluate
+    calls = {"n": 0}
+
+    def failing_eval(model, batches):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the eval at step 8
+            raise RuntimeError("eval OOM")
+        return real(model, batches)
+
+    monkeypatch.setattr(trainer_mod, "evaluate", failing_eval)
+    with pytest.raises(RuntimeError, match="eval OOM"):
+        run_training(cfg)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000008"
+    monkeypatch.setattr(trainer_mod, "evaluate", real)
+    run_training(cfg, resume=True)
+    assert [s for s, _ in _losses(run, "eval", "val_loss")] == [0, 4, 8, 12]
+
+
+def test_existing_run_dir_needs_resume_or_overwrite(cfg, tmp_path):
+    run_training(cfg)
+    with pytest.raises(UserError, match="already exists"):
+        run_training(cfg)
+    before = _losses(tmp_path / "run")
+    run_training(cfg, overwrite=True)
+    assert _losses(tmp_path / "run") == before  # deterministic, and the old log was replaced
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "thesis.tex").write_text("precious")
+    with pytest.raises(UserError, match="does not look like a run"):
+        run_training(_with_out(cfg, tmp_path / "other"), overwrite=True)
+    assert (tmp_path / "other" / "thesis.tex").read_text() == "precious"
+
+
+def test_resume_refuses_a_different_model(cfg, tmp_path):
+    run_training(cfg)
+    other = replace(cfg, model=replace(cfg.model, d_ff=64))
+    with pytest.raises(UserError, match="model.d_ff"):
+        run_training(other, resume=True)
+
+
+def test_gradient_accumulation_matches_one_big_batch(cfg, tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (4, 16), generator=gen)
+    y = torch.randint(0, VOCAB, (4, 16), generator=gen)
+    params = []
+    for accum in (1, 2):
+        c = replace(cfg, trainer=replace(cfg.trainer, grad_accum_steps=accum, out_dir=str(tmp_path / f"a{accum}")))
+        trainer = trainer_mod.Trainer(c, tmp_path / f"a{accum}", logger=_Quiet())
+        chunks = iter(zip(x.chunk(accum), y.chunk(accum)))
+        monkeypatch.setattr(trainer.data, "next_batch", lambda device: next(chunks))
+        trainer._train_step()
+        params.append([p.detach().clone() for p in trainer.raw_model.parameters()])
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+class _Quiet:
+    def log(self, record):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_bad_inputs_are_user_errors(cfg, tmp_path):
+    with pytest.raises(UserError, match="train_path is not set"):
+        run_training(replace(cfg, data=replace(cfg.data, train_path="")))
+    small_vocab = replace(cfg, model=replace(cfg.model, vocab_size=32))
+    with pytest.raises(UserError, match="larger than model.vocab_size"):
+        run_training(_with_out(small_vocab, tmp_path / "v"))
+    with pytest.raises(ValueError, match="divisible"):
+        TrainerConfig(batch_size=5, grad_accum_steps=2)
+
+
+def test_train_and_eval_commands(cfg, tmp_path, capsys):
+    from scratchlm.config import save_config
+
+    save_config(cfg, tmp_path / "c.toml")
+    out = tmp_path / "cli"
+    assert train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}", "--trainer.max_steps=4"]) == 0
+    assert [s for s, _ in _losses(out)] == [1, 2, 3, 4]
+    with pytest.raises(UserError, match="--resume"):
+        train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}"])
+    assert train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}", "--resume"]) == 0
+    assert [s for s, _ in _losses(out)][-1] == 12
+    capsys.readouterr()
+    assert eval_command([str(out), "--data", cfg.data.val_path, "--batches", "2", "--batch-size", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == 2 * 4 * 16 and result["checkpoint"].endswith("step_000012")
+    assert result["val_loss"] == pytest.approx(_losses(out, "eval", "val_loss")[-1][1], rel=1e-5)
