@@ -45,10 +45,10 @@ def test_get_batch_is_repeatable_with_a_seed_or_generator():
     a = get_batch(tokens, 4, 16, "cpu")
     np.random.seed(3)
     b = get_batch(tokens, 4, 16, "cpu")
-    torch.testing.assert_close(a, b)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
     c = get_batch(tokens, 4, 16, "cpu", rng=np.random.default_rng(1))
     d = get_batch(tokens, 4, 16, "cpu", rng=np.random.default_rng(1))
-    torch.testing.assert_close(c, d)
+    assert all(torch.equal(u, v) for u, v in zip(c, d))
 
 
 def test_get_batch_on_memmap_of_uint16(tmp_path):
@@ -127,8 +127,8 @@ def test_sampler_resume_continues_the_same_stream():
     resumed.load_state_dict(state)
     got += [resumed.next_batch("cpu") for _ in range(3)]
     for (ex, ey), (gx, gy) in zip(expected, got):
-        torch.testing.assert_close(gx, ex)
-        torch.testing.assert_close(gy, ey)
+        assert torch.equal(gx, ex)
+        assert torch.equal(gy, ey)
     assert resumed.step == 6
     other = BatchSampler(tokens, 8, 32, seed=8).next_batch("cpu")
     assert not torch.equal(other[0], expected[0][0])
@@ -154,14 +154,14 @@ def test_ranks_split_the_global_batch_exactly(world_size):
         x, y = single.next_batch("cpu")
         parts = [s.next_batch("cpu") for s in ranks]
         assert all(px.shape == (8 // world_size, 16) for px, _ in parts)
-        torch.testing.assert_close(torch.cat([px for px, _ in parts]), x)
-        torch.testing.assert_close(torch.cat([py for _, py in parts]), y)
+        assert torch.equal(torch.cat([px for px, _ in parts]), x)
+        assert torch.equal(torch.cat([py for _, py in parts]), y)
     # a run resumed on another number of ranks continues the same global stream
     state = ranks[0].state_dict()
     x, _ = single.next_batch("cpu")
     regrouped = BatchSampler(tokens, 8, 16, seed=99, rank=1, world_size=2)
     regrouped.load_state_dict(state)
-    torch.testing.assert_close(regrouped.next_batch("cpu")[0], x[4:])
+    assert torch.equal(regrouped.next_batch("cpu")[0], x[4:])
 
 
 def test_sampler_rejects_uneven_split_and_bad_rank():
@@ -177,11 +177,11 @@ def test_eval_batches_are_sequential_non_overlapping_and_cover_everything():
     xs = torch.cat([x for x, _ in batches])
     ys = torch.cat([y for _, y in batches])
     assert [len(x) for x, _ in batches] == [4, 4, 2]  # (103 - 1) // 10 = 10 windows
-    torch.testing.assert_close(xs.flatten(), torch.arange(100))
-    torch.testing.assert_close(ys.flatten(), torch.arange(1, 101))
+    assert torch.equal(xs.flatten(), torch.arange(100))
+    assert torch.equal(ys.flatten(), torch.arange(1, 101))
     assert len(list(iterate_eval_batches(tokens, 4, 10, 2))) == 2
     again = list(iterate_eval_batches(tokens, 4, 10, 2))
-    torch.testing.assert_close(again[1][0], batches[1][0])
+    assert torch.equal(again[1][0], batches[1][0])
     # exactly divisible: the last window's target is the last token
     last_x, last_y = list(iterate_eval_batches(np.arange(21), 2, 10, None))[-1]
     assert last_y[-1, -1].item() == 20
