@@ -10,6 +10,14 @@ checkpoint = pytest.importorskip("scratchlm.train.checkpoint")
 tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     torch.manual_seed(0)

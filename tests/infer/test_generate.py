@@ -110,3 +110,18 @@ def test_bad_inputs_and_mode_restored(model):
     generate(model, [[1, 2]], 2, temperature=0)
     assert model.training
     model.eval()
+
+
+@pytest.mark.gpu
+def test_cached_equals_uncached_on_gpu():
+    torch.manual_seed(0)
+    m = TransformerLM(vocab_size=300, context_length=128, d_model=128, num_layers=3, num_heads=4, d_ff=384,
+                      rope_theta=10_000.0, device="cuda")
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    prompts = [list(range(1, 40)), [5], list(range(100, 117))]
+    cached = generate(m, prompts, 30, temperature=0)
+    assert cached == generate(m, prompts, 30, temperature=0, use_kv_cache=False)
+    assert cached == [generate(m, [p], 30, temperature=0)[0] for p in prompts]
+    sampled = generate(m, prompts, 30, temperature=1.0, top_p=0.9, seed=1)
+    assert sampled == generate(m, prompts, 30, temperature=1.0, top_p=0.9, seed=1)

@@ -212,3 +212,23 @@ def test_single_batch_overfits():
         opt.step()
     assert first > 3.0  # about log(50) at initialisation
     assert loss.item() < 0.05, loss.item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["math", "flash_torch", "flash_triton"])
+def test_backends_and_compile_on_gpu(backend):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=512, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=704)
+    ref = TransformerLM(**kw, device="cuda")
+    model = TransformerLM(**kw, attention_backend=backend, device="cuda")
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 512, (4, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = cross_entropy(ref(ids[:, :-1]), ids[:, 1:])
+        loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:])
+        compiled = torch.compile(model)
+        loss_c = cross_entropy(compiled(ids[:, :-1]), ids[:, 1:])
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss_c, loss, rtol=2e-2, atol=2e-2)
+    loss_c.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
