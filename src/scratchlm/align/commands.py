@@ -1,0 +1,223 @@
+"""Command-line entry points: ``scratchlm sft | expert-iteration | grpo | eval-math``.
+
+The training commands read a TOML preset (``configs/align-*.toml``) with dotted overrides,
+write the resolved config, ``metrics.jsonl``, one ``eval_step_N.jsonl`` per evaluation and
+the final policy (``policy/``, a run directory or a Hugging Face directory) into
+``run.out_dir``.
+
+    scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
+    scratchlm grpo align-grpo --policy.path=runs/align-sft/policy
+    scratchlm eval-math runs/align-grpo/policy --dataset gsm8k --limit 200 --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scratchlm.errors import UserError
+
+log = logging.getLogger("scratchlm.align")
+
+
+def resolve_device(name: str):
+    """torch.device for "auto" (CUDA when present), or the named device."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+class MetricsWriter:
+    """Appends metric dicts to ``metrics.jsonl`` and logs a short line for each."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                 if k in ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy",
+                          "eval_format_rate", "token_entropy", "kept", "clip_fraction")}
+        log.info("%s", shown)
+        print(json.dumps(shown), flush=True)
+
+
+def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str, description: str):
+    from scratchlm.config import load_config, split_overrides
+
+    positional, overrides = split_overrides(argv)
+    parser = argparse.ArgumentParser(prog=f"scratchlm {prog}", description=description,
+                                     epilog="Override any config field with --section.key=value.")
+    parser.add_argument("config", nargs="?", default=default_preset,
+                        help=f"TOML preset (path or name in configs/; default {default_preset})")
+    args = parser.parse_args(positional)
+    return load_config(config_cls, args.config, overrides)
+
+
+def _setup(cfg: Any):
+    """Seed, device, policy, template and reward function, output folder."""
+    import torch
+
+    from scratchlm.align.policy import load_policy
+    from scratchlm.align.prompts import get_template
+    from scratchlm.align.rewards import get_reward_fn
+    from scratchlm.config import save_config
+
+    if not cfg.policy.path:
+        raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
+    torch.manual_seed(cfg.run.seed)
+    out_dir = Path(cfg.run.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.toml")
+    policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
+    template = get_template(cfg.data.template)
+    reward_fn = _reward_for(cfg.data.dataset, cfg.data.template, get_reward_fn(cfg.data.template))
+    return policy, template, reward_fn, out_dir
+
+
+def _reward_for(dataset: str, template_name: str, default):
+    if dataset.startswith("arith") and template_name == "r1_zero":
+        from scratchlm.align.task import arithmetic_reward
+
+        return arithmetic_reward
+    return default
+
+
+def _examples(cfg: Any, *, eval_split: bool):
+    from scratchlm.align.datasets import load_examples
+
+    data = cfg.data
+    dataset = (data.eval_dataset or data.dataset) if eval_split else data.dataset
+    limit = (data.eval_limit if eval_split else data.limit) or None
+    return load_examples(dataset, data.eval_split if eval_split else data.split,
+                         data_dir=data.data_dir or None, limit=limit, seed=cfg.run.seed)
+
+
+def _evaluator(policy: Any, cfg: Any, template: Any, reward_fn: Any, out_dir: Path):
+    from scratchlm.align.evaluate import evaluate_policy, write_jsonl
+
+    examples = _examples(cfg, eval_split=True)
+
+    def evaluate(step: int) -> dict[str, Any]:
+        records, summary = evaluate_policy(policy, examples, template=template, reward_fn=reward_fn,
+                                           max_new_tokens=cfg.sampling.eval_max_new_tokens,
+                                           batch_size=cfg.sampling.batch_size, seed=cfg.run.seed)
+        write_jsonl(records, out_dir / f"eval_step_{step}.jsonl")
+        return {k: summary[k] for k in ("accuracy", "format_rate", "mean_response_tokens", "tokens_per_s")}
+
+    return evaluate
+
+
+def sft_pairs(examples: Sequence[Any], template: Any) -> list[tuple[str, str]]:
+    """(prompt, target response) for every example that has a worked solution."""
+    return [(template.format(ex.question), template.response(ex.reasoning, ex.answer))
+            for ex in examples if ex.reasoning]
+
+
+def sft_command(argv: list[str]) -> int:
+    """``scratchlm sft [config] [--section.key=value ...]``: SFT on worked solutions."""
+    from scratchlm.align.config import SFTRunConfig
+    from scratchlm.align.sft import sft_train
+
+    cfg = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
+    policy, template, reward_fn, out_dir = _setup(cfg)
+    pairs = sft_pairs(_examples(cfg, eval_split=False), template)
+    if not pairs:
+        raise UserError(f"dataset {cfg.data.dataset!r} has no worked solutions to fine-tune on")
+    metrics = MetricsWriter(out_dir)
+    evaluate = _evaluator(policy, cfg, template, reward_fn, out_dir)
+    metrics({"phase": "sft", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}})
+    history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
+                        progress=cfg.run.progress)
+    metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
+    policy.save(out_dir / "policy", step=len(history))
+    return 0
+
+
+def expert_iteration_command(argv: list[str]) -> int:
+    """``scratchlm expert-iteration [config] [--section.key=value ...]``."""
+    from scratchlm.align.config import ExpertIterationRunConfig
+    from scratchlm.align.expert_iteration import expert_iteration
+
+    cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
+                 "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
+    policy, template, reward_fn, out_dir = _setup(cfg)
+    metrics = MetricsWriter(out_dir)
+    history = expert_iteration(policy, _examples(cfg, eval_split=False), template=template, reward_fn=reward_fn,
+                               ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
+                               evaluate=_evaluator(policy, cfg, template, reward_fn, out_dir), seed=cfg.run.seed,
+                               log=metrics, progress=cfg.run.progress)
+    policy.save(out_dir / "policy", step=len(history))
+    return 0
+
+
+def grpo_command(argv: list[str]) -> int:
+    """``scratchlm grpo [config] [--section.key=value ...]``."""
+    from scratchlm.align.config import GRPORunConfig
+    from scratchlm.align.grpo import grpo_train
+
+    cfg = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
+    policy, template, reward_fn, out_dir = _setup(cfg)
+    metrics = MetricsWriter(out_dir)
+    history = grpo_train(policy, _examples(cfg, eval_split=False), template=template, reward_fn=reward_fn,
+                         grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
+                         evaluate=_evaluator(policy, cfg, template, reward_fn, out_dir), seed=cfg.run.seed,
+                         log=metrics, progress=cfg.run.progress)
+    policy.save(out_dir / "policy", step=len(history))
+    return 0
+
+
+def eval_math_command(argv: list[str]) -> int:
+    """``scratchlm eval-math MODEL --dataset gsm8k|math|math500 [--split test] [--limit N] [--out F]``."""
+    parser = argparse.ArgumentParser(prog="scratchlm eval-math",
+                                     description="Generate answers to math problems and grade them.")
+    parser.add_argument("model", help="scratchlm run/step directory or checkpoint, or a local HF model directory")
+    parser.add_argument("--dataset", default="gsm8k", help="gsm8k, math, math500, arith[:D], or a .jsonl file")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
+    parser.add_argument("--out", default=None, help="per-example results JSONL (summary beside it)")
+    parser.add_argument("--template", default="r1_zero", help="prompt format: r1_zero or question_only")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts per generator call")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/ and math/")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit <= 0:
+        raise UserError(f"--limit must be positive, got {args.limit}")
+
+    from scratchlm.align.datasets import load_examples
+    from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl
+    from scratchlm.align.policy import load_policy
+    from scratchlm.align.prompts import get_template
+    from scratchlm.align.rewards import get_reward_fn
+
+    template = get_template(args.template)
+    reward_fn = _reward_for(args.dataset, args.template, get_reward_fn(args.template))
+    examples = load_examples(args.dataset, args.split, data_dir=args.data_dir, limit=args.limit, seed=args.seed)
+    if not examples:
+        raise UserError(f"{args.dataset}/{args.split} has no examples")
+    policy = load_policy(args.model, resolve_device(args.device))
+    records, summary = evaluate_policy(policy, examples, template=template, reward_fn=reward_fn,
+                                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                       temperature=args.temperature, seed=args.seed, progress=True)
+    print(format_summary(summary, title=f"{args.dataset}/{args.split} ({args.template})"))
+    if args.out:
+        write_jsonl(records, args.out)
+        summary_path = Path(args.out).with_suffix(".summary.json")
+        summary_path.write_text(json.dumps({"model": str(args.model), "dataset": args.dataset, "split": args.split,
+                                            "template": args.template, **summary}, indent=2) + "\n",
+                                encoding="utf-8")
+    return 0

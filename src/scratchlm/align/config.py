@@ -1,0 +1,150 @@
+"""Typed configs of the post-training commands (sections of configs/align-*.toml).
+
+Each loop receives only the sections it uses; the root dataclasses (`SFTRunConfig`,
+`ExpertIterationRunConfig`, `GRPORunConfig`, `EvalRunConfig`) compose them for the commands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PolicyConfig:
+    """Which model to start from."""
+
+    path: str = ""  # scratchlm run/step directory or checkpoint file, or a local HF model directory
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
+
+
+@dataclass
+class DataConfig:
+    """Training questions, prompt format, and the held-out set used for evaluation."""
+
+    dataset: str = "gsm8k"  # gsm8k, math, math500, arith[:difficulty], or a .jsonl path
+    split: str = "train"
+    data_dir: str = ""  # folder holding gsm8k/ and math/ ("" = shared/data beside the repository)
+    limit: int = 0  # use only the first N training examples (0 = all)
+    template: str = "r1_zero"  # prompt format: r1_zero or question_only
+    eval_dataset: str = ""  # "" = same as dataset
+    eval_split: str = "test"
+    eval_limit: int = 200  # held-out examples per evaluation (0 = all)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, cosine schedule with warm-up, global-norm clipping."""
+
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on prompt/response pairs (response tokens only)."""
+
+    micro_batch_size: int = 4  # sequences per forward/backward
+    grad_accum_steps: int = 8  # microbatches per optimizer step
+    num_epochs: float = 1.0  # passes over the training pairs (fractions allowed)
+    max_steps: int = 0  # stop after this many optimizer steps (0 = by epochs)
+    normalize_constant: float = 0.0  # 0: mean NLL per response token; >0: sum / constant per sequence
+    log_every: int = 10  # optimizer steps between metric lines
+
+
+@dataclass
+class SamplingConfig:
+    """Decoding of rollouts and evaluations."""
+
+    temperature: float = 1.0  # rollouts; evaluation is greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    batch_size: int = 64  # prompts per generator call
+    eval_max_new_tokens: int = 512
+
+
+@dataclass
+class ExpertIterationConfig:
+    """Sample G responses per question, keep the rewarded ones, SFT on them, repeat."""
+
+    n_ei_steps: int = 5
+    questions_per_step: int = 512  # questions sampled per EI step
+    group_size: int = 4  # responses per question (G)
+    sft_epochs: float = 1.0  # SFT epochs over each step's kept responses
+
+
+@dataclass
+class GRPOConfig:
+    """Group-relative policy optimisation (see grpo.py)."""
+
+    n_grpo_steps: int = 200
+    rollout_batch_size: int = 256  # responses per rollout batch (questions x group_size)
+    group_size: int = 8
+    train_batch_size: int = 256  # responses per optimizer step (a divisor of rollout_batch_size)
+    grad_accum_steps: int = 128  # microbatches per optimizer step
+    epochs_per_rollout_batch: int = 1  # > 1 reuses rollouts off-policy (use grpo_clip)
+    loss_type: str = "reinforce_with_baseline"  # no_baseline, reinforce_with_baseline, grpo_clip
+    advantage_eps: float = 1e-6
+    normalize_by_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
+    length_normalization: str = "mean"  # "mean" per response, or "constant" (sum / normalize_constant)
+    normalize_constant: float = 0.0  # for "constant" (0 = sampling.max_new_tokens)
+    cliprange: float = 0.2  # grpo_clip epsilon
+    eval_every: int = 10  # GRPO steps between evaluations (0 = only at the start and the end)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"):
+            raise ValueError(f"grpo.loss_type must be no_baseline, reinforce_with_baseline or grpo_clip, "
+                             f"got {self.loss_type!r}")
+        if self.length_normalization not in ("mean", "constant"):
+            raise ValueError(f"grpo.length_normalization must be 'mean' or 'constant', got {self.length_normalization!r}")
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError("grpo.rollout_batch_size must be a multiple of grpo.group_size")
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError("grpo.train_batch_size must divide grpo.rollout_batch_size")
+        if self.train_batch_size % self.grad_accum_steps:
+            raise ValueError("grpo.grad_accum_steps must divide grpo.train_batch_size")
+
+
+@dataclass
+class RunConfig:
+    """Where results go and how the run is seeded."""
+
+    out_dir: str = "runs/align"  # metrics.jsonl, eval JSONL files and the final policy
+    seed: int = 0
+    progress: bool = True  # tqdm bars
+
+
+@dataclass
+class SFTRunConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class ExpertIterationRunConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ei: ExpertIterationConfig = field(default_factory=ExpertIterationConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class GRPORunConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    run: RunConfig = field(default_factory=RunConfig)

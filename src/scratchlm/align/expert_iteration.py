@@ -1,0 +1,100 @@
+"""Expert iteration: sample, keep what the verifier accepts, fine-tune on it, repeat.
+
+Each of `n_ei_steps` steps draws `questions_per_step` training questions, samples
+`group_size` responses to each at the rollout temperature, keeps the distinct responses with
+reward 1, and runs SFT (sft.py) on those (prompt, response) pairs. It is rejection-sampling
+fine-tuning: the policy only ever imitates its own verified successes, so it needs no
+reference solutions once it can solve some questions.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
+from scratchlm.align.datasets import MathExample
+from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.sft import LogFn, sft_train
+
+RewardFn = Callable[[str, Any], dict[str, float]]
+
+
+def filter_rewarded(
+    prompts: Sequence[str], responses: Sequence[str], rewards: Sequence[dict[str, float]]
+) -> list[tuple[str, str]]:
+    """The distinct (prompt, response) pairs whose reward is 1, in order of first appearance.
+
+    >>> filter_rewarded(["q", "q", "q"], ["a", "a", "b"], [{"reward": 1.0}] * 2 + [{"reward": 0.0}])
+    [('q', 'a')]
+    """
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for p, r, s in zip(prompts, responses, rewards):
+        if s["reward"] == 1.0 and (p, r) not in seen:
+            seen.add((p, r))
+            kept.append((p, r))
+    return kept
+
+
+def expert_iteration(
+    policy: Any,
+    train_examples: Sequence[MathExample],
+    *,
+    template: PromptTemplate,
+    reward_fn: RewardFn,
+    ei: ExpertIterationConfig,
+    sft: SFTConfig,
+    optim: OptimConfig,
+    sampling: SamplingConfig,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    seed: int = 0,
+    log: LogFn | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start)."""
+    rng = random.Random(seed)
+    history: list[dict[str, Any]] = []
+    if evaluate is not None:
+        row = {"phase": "ei", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}}
+        history.append(row)
+        if log is not None:
+            log(row)
+    sft_steps = 0
+    for step in range(1, ei.n_ei_steps + 1):
+        questions = rng.sample(list(train_examples), min(ei.questions_per_step, len(train_examples)))
+        prompts = [template.format(q.question) for q in questions for _ in range(ei.group_size)]
+        truths = [q.answer for q in questions for _ in range(ei.group_size)]
+        t0 = time.perf_counter()
+        completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                      top_p=sampling.top_p, stop=template.stop, seed=rng.randrange(2**31),
+                                      batch_size=sampling.batch_size)
+        rollout_s = time.perf_counter() - t0
+        responses = [c.text for c in completions]
+        rewards = [reward_fn(r, t) for r, t in zip(responses, truths)]
+        kept = filter_rewarded(prompts, responses, rewards)
+        step_sft = SFTConfig(**{**vars(sft), "num_epochs": ei.sft_epochs, "max_steps": 0})
+        sft_history = sft_train(policy, kept, sft=step_sft, optim=optim, seed=rng.randrange(2**31),
+                                step_offset=sft_steps, progress=progress)
+        sft_steps += len(sft_history)
+        generated = sum(c.num_tokens for c in completions)
+        row = {
+            "phase": "ei", "step": step,
+            "rollout_reward": sum(r["reward"] for r in rewards) / len(rewards),
+            "rollout_format": sum(r["format_reward"] for r in rewards) / len(rewards),
+            "kept": len(kept),
+            "response_tokens_mean": generated / len(completions),
+            "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
+            "sft_steps": len(sft_history),
+            "sft_loss": sft_history[-1]["loss"] if sft_history else float("nan"),
+            "token_entropy": (sum(h["token_entropy"] for h in sft_history) / len(sft_history)
+                              if sft_history else float("nan")),
+        }
+        if evaluate is not None:
+            row.update({f"eval_{k}": v for k, v in evaluate(step).items()})
+        history.append(row)
+        if log is not None:
+            log(row)
+    return history

@@ -1,0 +1,269 @@
+"""Group-relative policy optimisation (GRPO) with verifiable rewards.
+
+Each step samples `group_size` responses to each of `rollout_batch_size / group_size`
+questions with the current policy, scores them, and turns rewards into advantages relative to
+their group: A_i = (r_i - mean(group)) / (std(group) + eps), or without the division
+(``normalize_by_std=False``, Dr. GRPO). Needing no learned value function is the point: the
+group mean is the baseline.
+
+Per-token losses, (B, T), for response tokens with log-probability logp:
+- ``no_baseline``: -r · logp (REINFORCE on raw rewards)
+- ``reinforce_with_baseline``: -A · logp
+- ``grpo_clip``: -min(ρ A, clip(ρ, 1-ε, 1+ε) A), ρ = exp(logp - logp_old), where logp_old
+  are the log-probabilities under the policy that sampled the rollouts. It keeps updates
+  near that policy when a rollout batch is reused for several epochs (off-policy).
+
+A response's loss is the masked mean of its token losses (``length_normalization="mean"``)
+or their sum over a fixed constant (``"constant"``, so long and short responses weigh each
+token alike), then averaged over the batch and divided by the accumulation steps.
+
+There is no KL penalty against a reference model: with verifiable rewards and few steps the
+clip (or on-policy updates) keeps the policy close enough, and it saves a third model pass.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scratchlm.align.config import GRPOConfig, OptimConfig, SamplingConfig
+from scratchlm.align.datasets import MathExample
+from scratchlm.align.logprobs import masked_mean, masked_normalize, response_log_probs, tokenize_prompt_and_output
+from scratchlm.align.policy import autocast_context
+from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step
+
+RewardFn = Callable[[str, Any], dict[str, float]]
+
+
+def compute_group_normalized_rewards(
+    reward_fn: RewardFn,
+    rollout_responses: Sequence[str],
+    repeated_ground_truths: Sequence[Any],
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """(advantages (N,), raw rewards (N,), metadata) for N = groups x group_size responses.
+
+    Responses of one question are consecutive. Example: rewards [1, 0, 0, 1] in one group of
+    4 -> mean 0.5, std 0.577 (unbiased) -> advantages [0.866, -0.866, -0.866, 0.866].
+    """
+    if len(rollout_responses) != len(repeated_ground_truths):
+        raise ValueError("one ground truth per response")
+    if len(rollout_responses) % group_size:
+        raise ValueError(f"{len(rollout_responses)} responses do not split into groups of {group_size}")
+    scores = [reward_fn(r, g) for r, g in zip(rollout_responses, repeated_ground_truths)]
+    raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+    groups = raw.view(-1, group_size)  # (n_groups, G)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        centred = centred / (groups.std(dim=1, keepdim=True) + advantage_eps)
+    advantages = centred.reshape(-1)
+    metadata = {
+        "reward_mean": float(raw.mean()),
+        "reward_std": float(raw.std()) if raw.numel() > 1 else 0.0,
+        "reward_max": float(raw.max()),
+        "reward_min": float(raw.min()),
+        "format_reward_mean": sum(s["format_reward"] for s in scores) / len(scores),
+        "answer_reward_mean": sum(s["answer_reward"] for s in scores) / len(scores),
+        "solved_groups": float((groups.max(dim=1).values > 0).float().mean()),
+        "zero_std_groups": float((groups.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
+    }
+    return advantages, raw, metadata
+
+
+def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: Tensor, policy_log_probs: Tensor) -> Tensor:
+    """-A · logp per token: (B, 1) scores and (B, T) log-probs -> (B, T)."""
+    return -raw_rewards_or_advantages * policy_log_probs
+
+
+def compute_grpo_clip_loss(
+    advantages: Tensor, policy_log_probs: Tensor, old_log_probs: Tensor, cliprange: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(ρ A, clip(ρ, 1-ε, 1+ε) A) per token, (B, T); metadata["clipped"] marks where the
+    clipped term was the smaller (the gradient is cut there), "clip_fraction" is its mean."""
+    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = clipped < unclipped
+    return loss, {"clipped": was_clipped, "ratio": ratio.detach()}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: Tensor,
+    loss_type: str,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    cliprange: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss (B, T) of one of no_baseline, reinforce_with_baseline, grpo_clip."""
+    if loss_type == "no_baseline":
+        if raw_rewards is None:
+            raise ValueError("no_baseline needs raw_rewards")
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        if advantages is None:
+            raise ValueError("reinforce_with_baseline needs advantages")
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    if loss_type == "grpo_clip":
+        if advantages is None or old_log_probs is None or cliprange is None:
+            raise ValueError("grpo_clip needs advantages, old_log_probs and cliprange")
+        return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: Tensor,
+    response_mask: Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: str,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    cliprange: float | None = None,
+    *,
+    length_normalization: str = "mean",
+    normalize_constant: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Backward one microbatch's policy-gradient loss; returns (scaled loss, metadata).
+
+    Scores are (B, 1); log-probs and mask (B, T). metadata["clip_fraction"] is the fraction of
+    response tokens whose ratio was clipped (grpo_clip only).
+    """
+    per_token, meta = compute_policy_gradient_loss(policy_log_probs, loss_type, raw_rewards, advantages,
+                                                   old_log_probs, cliprange)
+    if length_normalization == "mean":
+        per_sequence = masked_mean(per_token, response_mask, dim=-1)  # (B,)
+    elif length_normalization == "constant":
+        if not normalize_constant:
+            raise ValueError("length_normalization='constant' needs a normalize_constant")
+        per_sequence = masked_normalize(per_token, response_mask, normalize_constant, dim=-1)
+    else:
+        raise ValueError(f"unknown length_normalization {length_normalization!r}")
+    loss = per_sequence.mean() / gradient_accumulation_steps
+    loss.backward()
+    out = {k: v for k, v in meta.items() if k != "clipped"}
+    if "clipped" in meta:
+        out["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask).detach()
+    return loss.detach(), out
+
+
+def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int) -> Tensor:
+    """Log-probs (N, T) of a whole rollout batch without gradients, `micro` rows at a time."""
+    parts = []
+    with torch.no_grad(), autocast_context(policy.device):
+        for s in range(0, batch["input_ids"].shape[0], micro):
+            parts.append(response_log_probs(policy.model, batch["input_ids"][s:s + micro],
+                                            batch["labels"][s:s + micro])["log_probs"].float())
+    return torch.cat(parts)
+
+
+def grpo_train(
+    policy: Any,
+    train_examples: Sequence[MathExample],
+    *,
+    template: PromptTemplate,
+    reward_fn: RewardFn,
+    grpo: GRPOConfig,
+    optim: OptimConfig,
+    sampling: SamplingConfig,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    seed: int = 0,
+    log: LogFn | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Run `grpo.n_grpo_steps` GRPO steps on `policy`; returns one metrics dict per step.
+
+    `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
+    its dict is merged into that step's metrics under ``eval_*`` keys.
+    """
+    model = policy.model
+    rng = random.Random(seed)
+    optimizer = make_optimizer(model, optim)
+    n_questions = grpo.rollout_batch_size // grpo.group_size
+    micro = grpo.train_batch_size // grpo.grad_accum_steps
+    steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
+    total_updates = grpo.n_grpo_steps * grpo.epochs_per_rollout_batch * steps_per_batch
+    normalize_constant = grpo.normalize_constant or float(sampling.max_new_tokens)
+    need_old = grpo.loss_type == "grpo_clip"
+    history: list[dict[str, Any]] = []
+    update = 0
+    if evaluate is not None:
+        first = {"phase": "grpo", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}}
+        history.append(first)
+        if log is not None:
+            log(first)
+    bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
+    for step in range(1, grpo.n_grpo_steps + 1):
+        questions = rng.sample(list(train_examples), min(n_questions, len(train_examples)))
+        prompts = [template.format(q.question) for q in questions for _ in range(grpo.group_size)]
+        truths = [q.answer for q in questions for _ in range(grpo.group_size)]
+        t0 = time.perf_counter()
+        completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens,
+                                      temperature=sampling.temperature, top_p=sampling.top_p,
+                                      stop=template.stop, seed=rng.randrange(2**31), batch_size=sampling.batch_size)
+        rollout_s = time.perf_counter() - t0
+        responses = [c.text for c in completions]
+        advantages, raw, reward_meta = compute_group_normalized_rewards(
+            reward_fn, responses, truths, grpo.group_size, grpo.advantage_eps, grpo.normalize_by_std)
+        prompt_ids = [policy.encode(p) for p in prompts]
+        end = [policy.eos_id] if policy.eos_id is not None else [policy.pad_id]
+        # A response that stopped is trained to stop (end-of-text after it); an empty one still
+        # gets one token, so every row has a response to normalise over.
+        response_ids = [policy.encode(c.text) + (end if c.stopped or not c.text else []) for c in completions]
+        limit = policy.context_length + 1
+        response_ids = [r[: max(limit - len(p), 1)] for p, r in zip(prompt_ids, response_ids)]
+        batch = tokenize_prompt_and_output(prompt_ids, response_ids, policy.pad_id)
+        batch = {k: v.to(policy.device) for k, v in batch.items()}
+        advantages, raw = advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None]  # (N, 1)
+        model.train()
+        old = _sequence_log_probs(policy, batch, micro) if need_old else None
+        sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
+        n_updates = 0
+        for _ in range(grpo.epochs_per_rollout_batch):
+            order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+            for b in range(steps_per_batch):
+                rows = order[b * grpo.train_batch_size:(b + 1) * grpo.train_batch_size]
+                for m in range(grpo.grad_accum_steps):
+                    idx = rows[m * micro:(m + 1) * micro].to(policy.device)
+                    mask = batch["response_mask"][idx]
+                    width = int(mask.any(dim=0).nonzero().max()) + 1  # drop columns that are padding in every row
+                    mask = mask[:, :width]
+                    with autocast_context(policy.device):
+                        out = response_log_probs(model, batch["input_ids"][idx, :width], batch["labels"][idx, :width],
+                                                 return_token_entropy=True)
+                    loss, meta = grpo_microbatch_train_step(
+                        out["log_probs"], mask, grpo.grad_accum_steps, grpo.loss_type,
+                        raw_rewards=raw[idx], advantages=advantages[idx],
+                        old_log_probs=old[idx, :width] if old is not None else None, cliprange=grpo.cliprange,
+                        length_normalization=grpo.length_normalization, normalize_constant=normalize_constant)
+                    sums["loss"] += float(loss)
+                    sums["token_entropy"] += float(masked_mean(out["token_entropy"], mask)) / grpo.grad_accum_steps
+                    if "clip_fraction" in meta:
+                        sums["clip_fraction"] += float(meta["clip_fraction"]) / grpo.grad_accum_steps
+                lr = learning_rate(update, total_updates, optim)
+                sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
+                update += 1
+                n_updates += 1
+        model.eval()
+        generated = sum(c.num_tokens for c in completions)
+        row = {"phase": "grpo", "step": step, "lr": lr, **{k: v / n_updates for k, v in sums.items()},
+               **reward_meta, "response_tokens_mean": generated / len(completions),
+               "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0}
+        if evaluate is not None and (step == grpo.n_grpo_steps or (grpo.eval_every and step % grpo.eval_every == 0)):
+            row.update({f"eval_{k}": v for k, v in evaluate(step).items()})
+        history.append(row)
+        if log is not None:
+            log(row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
+    bar.close()
+    return history

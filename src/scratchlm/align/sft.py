@@ -1,0 +1,150 @@
+"""Supervised fine-tuning on prompt/response pairs, the loss on response tokens only.
+
+Each pair becomes ``prompt ids + response ids + end-of-text``: the end-of-text token is part
+of the target so the tuned model stops by itself after ``</answer>``. An optimizer step
+accumulates `grad_accum_steps` microbatches of `micro_batch_size` sequences (each loss scaled
+by 1/grad_accum_steps, see `sft_microbatch_train_step`), clips the global gradient norm, and
+follows a cosine learning-rate schedule with linear warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from scratchlm.align.config import OptimConfig, SFTConfig
+from scratchlm.align.logprobs import (
+    masked_mean,
+    response_log_probs,
+    sft_microbatch_train_step,
+    tokenize_prompt_and_output,
+)
+from scratchlm.align.policy import autocast_context
+
+LogFn = Callable[[dict[str, Any]], None]
+
+
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """scratchlm's AdamW over the trainable parameters."""
+    from scratchlm.optim.adamw import AdamW
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def learning_rate(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Cosine schedule with warm-up, from cfg.lr down to cfg.lr * cfg.min_lr_ratio at the last step."""
+    from scratchlm.optim.schedule import cosine_lr
+
+    if total_steps <= 1 and cfg.warmup_steps == 0:
+        return cfg.lr
+    return cosine_lr(step, cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps, max(total_steps - 1, 1))
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float) -> float:
+    """Clip (when max_grad_norm > 0), set the learning rate, step, zero the gradients; returns the norm."""
+    from scratchlm.optim.clip import clip_grad_norm
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = float(clip_grad_norm(params, max_grad_norm))
+    else:
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params]))) if params else 0.0
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def encode_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids [+ eos]) per pair, cut to fit the policy's context length."""
+    limit = policy.context_length + 1  # input_ids and labels are each one shorter
+    out = []
+    for prompt, response in pairs:
+        p, r = policy.encode(prompt), policy.encode(response)
+        if add_eos and policy.eos_id is not None:
+            r = r + [policy.eos_id]
+        if len(p) >= limit:
+            continue  # a prompt that fills the context leaves nothing to learn from
+        out.append((p, r[: limit - len(p)]))
+    return out
+
+
+def sft_train(
+    policy: Any,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    sft: SFTConfig,
+    optim: OptimConfig,
+    seed: int = 0,
+    log: LogFn | None = None,
+    step_offset: int = 0,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step."""
+    model = policy.model
+    data = encode_pairs(policy, pairs)
+    if not data:
+        return []
+    batch = sft.micro_batch_size * sft.grad_accum_steps
+    total = sft.max_steps or max(1, math.ceil(sft.num_epochs * len(data) / batch))
+    rng = random.Random(seed)
+    order: list[int] = []
+    optimizer = make_optimizer(model, optim)
+    normalize_constant = sft.normalize_constant or None
+    history = []
+    model.train()
+    bar = _bar(total, progress)
+    for step in range(total):
+        loss_sum, entropy_sum, tokens = 0.0, 0.0, 0.0
+        for _ in range(sft.grad_accum_steps):
+            if len(order) < sft.micro_batch_size:
+                fresh = list(range(len(data)))
+                rng.shuffle(fresh)
+                order += fresh
+            idx, order = order[: sft.micro_batch_size], order[sft.micro_batch_size:]
+            batch_t = tokenize_prompt_and_output([data[i][0] for i in idx], [data[i][1] for i in idx], policy.pad_id)
+            batch_t = {k: v.to(policy.device) for k, v in batch_t.items()}
+            with autocast_context(policy.device):
+                out = response_log_probs(model, batch_t["input_ids"], batch_t["labels"], return_token_entropy=True)
+            loss, meta = sft_microbatch_train_step(out["log_probs"], batch_t["response_mask"], sft.grad_accum_steps,
+                                                   normalize_constant)
+            loss_sum += float(loss)
+            entropy_sum += float(masked_mean(out["token_entropy"], batch_t["response_mask"])) / sft.grad_accum_steps
+            tokens += float(meta["response_tokens"])
+        lr = learning_rate(step, total, optim)
+        norm = optimizer_step(model, optimizer, lr, optim.max_grad_norm)
+        row = {"phase": "sft", "step": step_offset + step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm,
+               "token_entropy": entropy_sum, "response_tokens": tokens}
+        history.append(row)
+        if log is not None and (step % max(sft.log_every, 1) == 0 or step == total - 1):
+            log(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum:.3f}")
+    bar.close()
+    model.eval()
+    return history
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, enabled: bool, desc: str = "sft"):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step")
