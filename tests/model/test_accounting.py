@@ -154,8 +154,10 @@ def test_activation_bytes_match_saved_tensors(kwargs):
     assert expected <= measured <= 1.05 * expected
 
 
-def test_moe_activation_bytes_match_saved_tensors():
-    cfg = _moe_cfg(moe_num_experts=4, moe_top_k=2)
+@pytest.mark.parametrize("moe", [*MOE_VARIANTS, dict(moe_num_experts=4, moe_top_k=2, moe_capacity_factor=1.5)],
+                         ids=str)
+def test_moe_activation_bytes_match_saved_tensors(moe):
+    cfg = _moe_cfg(**moe)
     torch.manual_seed(0)
     measured = _saved_activation_bytes(_build_moe(cfg), SMALL["context_length"], SMALL["vocab_size"])
     expected = activation_bytes_per_sequence(cfg)["total"]

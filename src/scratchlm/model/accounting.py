@@ -28,6 +28,7 @@ or shared, is a SwiGLU of width ``d_ff``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 FP32_BYTES = 4
@@ -145,7 +146,8 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
       SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F);
     - MoE: the router logits, probabilities and their logarithms (3·T·E), the gathered
       expert inputs and the expert outputs before the weighted sum (2·k·T·D), and 5·F per
-      token for each routed and shared expert ((k + S)·5·T·F).
+      token for each routed and shared expert ((k + S)·5·T·F). With a capacity factor the
+      experts run on the E·C padded rows instead of k·T (C = ceil(factor·T·k/E)).
 
     After the stack: the final RMSNorm (3·T·D) and the float32 logits and their
     exponentials inside the cross-entropy (2·T·V). Ignored as small: per-row statistics
@@ -165,8 +167,10 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
         ffn = 3 * T * F
     elif cfg.ffn == "moe":
         moe = moe_shape(cfg)
-        k, E = moe["top_k"], moe["num_experts"]
-        ffn = 3 * T * E + 2 * k * T * D + (k + moe["shared"]) * 5 * T * F
+        k, E, cf = moe["top_k"], moe["num_experts"], moe["capacity_factor"]
+        # With a capacity the experts run on E·C = capacity_factor·k·T padded rows.
+        rows = k * T if cf is None else E * math.ceil(cf * T * k / E)
+        ffn = 3 * T * E + k * T * D + rows * D + (rows + moe["shared"] * T) * 5 * F
     else:
         raise ValueError(f"unknown ffn {cfg.ffn!r}")
     elements = {

@@ -10,13 +10,17 @@ each expert's tokens are one contiguous block, and each block is one matrix mult
 
 - with a capacity factor, every expert takes at most ``C = ceil(capacity_factor · N · k / E)``
   assignments; blocks are padded to ``C`` and all experts run as one batched ``torch.bmm``
-  of shape (E, C, ·). ``C`` depends only on the input shape, so no host synchronisation is
-  needed. Assignments beyond an expert's capacity are dropped: they add nothing, and a token
+  of shape (E, C, ·). ``C`` depends only on the input shape, and dispatch and combine are
+  fixed-shape gathers, so this path never synchronises with the host. Assignments beyond an expert's capacity are dropped: they add nothing, and a token
   whose every choice was dropped passes through the block by the residual connection alone.
   First choices have priority over second choices, then earlier tokens over later ones
   (the order of Switch Transformer / GShard).
 - dropless (``capacity_factor=None``): no assignment is dropped; the experts run one matmul
-  each over their contiguous slice (no padding, so skewed routing costs no extra FLOPs).
+  each over their contiguous slice (no padding, so skewed routing costs no extra FLOPs; the
+  slice sizes cost one host synchronisation per layer).
+
+Both paths use gathers only (no scatter-add in the forward), so results do not depend on
+atomics' order.
 
 After each forward ``self.last_aux`` holds the router statistics and the two auxiliary
 losses, so the block API stays ``ffn(x) -> y``; ``moe_aux_loss(model, ...)`` sums them over a
@@ -56,6 +60,16 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
+def count_per_expert(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """How many entries of ``expert_ids`` (any shape) name each expert: (num_experts,) int64.
+
+    A comparison against every expert id rather than ``bincount``, which syncs with the host
+    on CUDA to size its output.
+    """
+    ids = expert_ids.reshape(-1, 1)
+    return (ids == torch.arange(num_experts, device=ids.device)).sum(dim=0)
+
+
 def _upcast(t: Tensor) -> Tensor:
     """bf16/fp16 -> fp32 (router softmax and log-sum-exp lose too much below fp32); else as is."""
     return t.float() if t.element_size() < 4 else t
@@ -76,7 +90,7 @@ def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor
     ``dropped``: number of assignments dropped for lack of capacity (a scalar tensor).
     """
     num_experts = probs.shape[-1]
-    fraction = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / experts.numel()
+    fraction = count_per_expert(experts.reshape(-1), num_experts).to(probs.dtype) / experts.numel()
     mean_prob = probs.mean(dim=0)
     return {
         "load_balance": num_experts * (fraction * mean_prob).sum(),
@@ -156,40 +170,42 @@ class MoEFFN(nn.Module):
         flat_expert = experts.t().reshape(-1)  # (k·N,)
         flat_token = torch.arange(N, device=x.device).repeat(k)  # (k·N,)
         flat_gate = gates.t().reshape(-1).to(x.dtype)  # (k·N,)
-        order = torch.sort(flat_expert, stable=True).indices
-        sorted_expert = flat_expert[order]
-        counts = torch.bincount(flat_expert, minlength=E)  # (E,)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(k * N, device=x.device) - starts[sorted_expert]  # place within its expert
+        A = k * N
+        order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(A, device=x.device)  # assignment -> sorted position
+        counts = count_per_expert(flat_expert, E)  # (E,)
+        xs = x2[flat_token[order]]  # (A, D), grouped by expert
 
-        # routed: (k·N, D) expert output per assignment in priority order. Its dtype is the
+        # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
         # experts' (bf16 under autocast), not necessarily x's.
         if self.capacity_factor is None:
             dropped = torch.zeros((), device=x.device, dtype=torch.long)
-            xs = x2[flat_token[order]]  # (k·N, D), grouped by expert
-            routed = x2.new_zeros(k * N, self.d_model)  # only used when N == 0
-            pieces = []
             # unbind, not w[e]: indexing would give each expert's backward a zero-filled full
             # (E, ·, ·) gradient to add up; unbind's backward is one stack.
             experts_w = zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))
-            for (w1, w3, w2), xe in zip(experts_w, torch.split(xs, counts.tolist())):  # one host sync
-                if xe.shape[0]:
-                    pieces.append((silu(xe @ w1.t()) * (xe @ w3.t())) @ w2.t())
-            if pieces:
-                # Undo the sort with a gather (index_copy would keep its source for backward).
-                inverse = torch.empty_like(order)
-                inverse[order] = torch.arange(k * N, device=x.device)
-                routed = torch.cat(pieces)[inverse]
+            pieces = [
+                (silu(xe @ w1.t()) * (xe @ w3.t())) @ w2.t()
+                for (w1, w3, w2), xe in zip(experts_w, torch.split(xs, counts.tolist()))  # one host sync
+            ]
+            ys = torch.cat(pieces)
         else:
+            # Everything below is gathers of fixed shape: no host sync, no scatter.
             C = expert_capacity(N, E, k, self.capacity_factor)
+            starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
+            c = torch.arange(C, device=x.device)
+            source = (starts[:, None] + c).clamp(max=A - 1)  # (E, C) sorted position of each slot
+            filled = c < counts[:, None]  # (E, C) false for padding
+            buf = torch.where(filled[..., None], xs[source], xs.new_zeros(()))  # (E, C, D)
+            ys_buf = _swiglu_bmm(buf, self.w1, self.w3, self.w2).reshape(E * C, self.d_model)
+            sorted_expert = flat_expert[order]
+            slot = torch.arange(A, device=x.device) - starts[sorted_expert]  # place within its expert
             keep = slot < C
             dropped = (~keep).sum()
-            kept = order[keep]  # assignment ids that fit, grouped by expert
-            # Row of each kept assignment in the (E·C) padded buffer; padding rows stay zero.
-            rows = sorted_expert[keep] * C + slot[keep]
-            buf = x2.new_zeros(E * C, self.d_model).index_copy(0, rows, x2[flat_token[kept]])
-            ys = _swiglu_bmm(buf.view(E, C, self.d_model), self.w1, self.w3, self.w2).view(E * C, self.d_model)
-            routed = ys.new_zeros(k * N, self.d_model).index_copy(0, kept, ys[rows])
+            # Dropped assignments read an extra all-zero row.
+            rows = torch.where(keep, sorted_expert * C + slot, E * C)
+            ys = torch.cat([ys_buf, ys_buf.new_zeros(1, self.d_model)])[rows]
+        routed = ys[inverse]  # (A, D) back in priority order
 
         # Weighted sum over each token's k choices; dropped assignments contribute zero.
         out = (routed * flat_gate[:, None]).view(k, N, self.d_model).sum(dim=0)
