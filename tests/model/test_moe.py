@@ -30,7 +30,7 @@ def _grads(module: torch.nn.Module, x: torch.Tensor, fn) -> tuple[torch.Tensor, 
     x = x.detach().clone().requires_grad_(True)
     y, aux = fn(x)
     # A loss touching output and both aux losses, with weights that do not cancel.
-    w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+    w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).view_as(y)
     loss = (y * w).sum() + 0.3 * aux["load_balance"] + 0.7 * aux["z_loss"]
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
