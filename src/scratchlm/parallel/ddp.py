@@ -36,6 +36,8 @@ simply discards its earlier result and reduces the accumulated gradients again.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,6 +112,7 @@ class OverlappedAllReduce:
         self.world_size = dist.get_world_size(process_group)
         self._pending: dict[int, tuple[nn.Parameter, Any]] = {}
         self._handles = []
+        self.enabled = True  # False inside `no_sync`: gradients only accumulate locally
         for p in params:
             self._handles.append(p.register_hook(self._make_pre_accumulate_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._launch))
@@ -127,6 +130,8 @@ class OverlappedAllReduce:
         return hook
 
     def _launch(self, param: nn.Parameter) -> None:
+        if not self.enabled:
+            return
         work = dist.all_reduce(param.grad, group=self.process_group, async_op=True)
         self._pending[id(param)] = (param, work)
 
@@ -172,6 +177,7 @@ class DDP(_DataParallel):
         self._overlap: OverlappedAllReduce | None = None
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
+        self._sync_enabled = True
         if bucket_size_mb is None:
             self._overlap = OverlappedAllReduce(self._params, process_group=process_group)
         else:
@@ -205,6 +211,8 @@ class DDP(_DataParallel):
     # bucketed mode -------------------------------------------------------------------------
 
     def _mark_ready(self, param: nn.Parameter) -> None:
+        if not self._sync_enabled:
+            return
         bucket = self._bucket_of[id(param)]
         if id(param) in bucket.ready and bucket.work is not None:
             # A new micro-batch refilled this gradient: the launched result is stale.
@@ -242,6 +250,24 @@ class DDP(_DataParallel):
                     p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p.grad))
                     offset += p.numel()
             bucket.work, bucket.flat, bucket.ready, bucket.members = None, None, set(), []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communicating.
+
+        The first backward after the context reduces the accumulated gradients (as in
+        `torch.nn.parallel.DistributedDataParallel.no_sync`).
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        if self._overlap is not None:
+            self._overlap.enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+            if self._overlap is not None:
+                self._overlap.enabled = previous
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapped module then trains as a plain module)."""

@@ -74,6 +74,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.local_optimizer = self.optimizer_cls([local_group], **self._kwargs)
         else:
             self.local_optimizer.add_param_group(local_group)
+        # The wrapped optimizer fills in its own defaults (e.g. AdamW's eps): mirror them so the
+        # full groups describe the optimizer completely (state dicts, schedulers).
+        for key, value in self.local_optimizer.param_groups[-1].items():
+            group.setdefault(key, value)
 
     def _sync_hyperparameters(self) -> None:
         for full, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
