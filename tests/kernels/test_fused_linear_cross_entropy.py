@@ -72,3 +72,19 @@ def test_gpu_matches_reference(dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for a, b in zip(ours, ref):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < tol
+
+
+def test_fusable_chunk_math_matches_in_place_version():
+    from scratchlm.kernels.fused_linear_cross_entropy import (
+        _chunk_loss_and_grad_eager,
+        _chunk_loss_and_grad_fusable,
+    )
+
+    logits = torch.randn(9, 20, dtype=torch.float64)
+    targets = torch.randint(0, 20, (9,))
+    valid = torch.rand(9) > 0.3
+    n_valid = valid.sum().to(torch.float64)
+    a = _chunk_loss_and_grad_fusable(logits, targets, valid, n_valid, torch.float64, torch.float64)
+    b = _chunk_loss_and_grad_eager(logits.clone(), targets, valid, n_valid, torch.float64, torch.float64)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)

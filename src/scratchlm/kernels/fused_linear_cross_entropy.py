@@ -43,6 +43,59 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                acc: torch.dtype) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of logits (c, V) over its valid rows."""
+    x = logits.to(acc)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    picked = x.gather(1, safe[:, None]).squeeze(1)
+    return torch.where(valid, torch.logsumexp(x, dim=-1) - picked, 0.0).sum()
+
+
+def _chunk_loss_and_grad_eager(logits, targets, valid, n_valid, acc, grad_dtype):
+    """(summed loss, d mean-loss / d logits in grad_dtype) of one chunk; overwrites ``logits``."""
+    x = logits.to(acc)
+    lse = torch.logsumexp(x, dim=-1)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    loss = torch.where(valid, lse - x.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    # (softmax - onehot) / n_valid, zero on ignored rows, reusing one (c, V) buffer
+    grad = x.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+    grad.mul_((valid.to(acc) / n_valid)[:, None])
+    return loss, grad.to(grad_dtype)
+
+
+def _chunk_loss_and_grad_fusable(logits, targets, valid, n_valid, acc, grad_dtype):
+    # The same math written as one elementwise expression so that torch.compile emits a
+    # reduction plus a single read-logits/write-gradient pass instead of ~6 passes.
+    x = logits.to(acc)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))[:, None]
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == safe
+    picked = torch.where(onehot, x, 0.0).sum(dim=1, keepdim=True)
+    loss = torch.where(valid[:, None], lse - picked, 0.0).sum()
+    scale = valid[:, None].to(acc) / n_valid
+    grad = (torch.exp(x - lse) - onehot.to(acc)) * scale
+    return loss, grad.to(grad_dtype)
+
+
+_compiled_chunk = None
+_compile_failed = False
+
+
+def _chunk_loss_and_grad(logits, targets, valid, n_valid, acc, grad_dtype):
+    """Compiled on CUDA (once per chunk shape); eager elsewhere or if compilation fails."""
+    global _compiled_chunk, _compile_failed
+    if logits.is_cuda and not _compile_failed and not torch.compiler.is_compiling():
+        try:
+            if _compiled_chunk is None:
+                _compiled_chunk = torch.compile(_chunk_loss_and_grad_fusable, dynamic=False)
+            return _compiled_chunk(logits, targets, valid, n_valid, acc, grad_dtype)
+        except Exception:  # no compiler toolchain, unsupported build: stay correct, just slower
+            _compile_failed = True
+    return _chunk_loss_and_grad_eager(logits, targets, valid, n_valid, acc, grad_dtype)
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weightᵀ`` against ``targets``, chunked over tokens."""
 
@@ -71,19 +124,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 h = hidden[start:end].to(dtype)
                 t = targets[start:end]
                 ok = valid[start:end]
-                logits = (h @ w.t()).to(acc)  # (c, V)
-                lse = torch.logsumexp(logits, dim=-1)
-                safe_t = torch.where(ok, t, torch.zeros_like(t))
-                target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
-                loss_sum += torch.where(ok, lse - target_logit, 0.0).sum()
-                if not need_grad:
+                logits = h @ w.t()  # (c, V) in the matmul dtype
+                if need_grad:
+                    chunk_loss, g = _chunk_loss_and_grad(logits, t, ok, n_valid, acc, dtype)
+                    loss_sum += chunk_loss
+                else:
+                    loss_sum += _chunk_loss(logits, t, ok, acc)
                     continue
-                # d loss / d logits = (softmax - onehot) / n_valid, zero on ignored rows; reuse
-                # the logits buffer so only one (c, V) float32 tensor is alive.
-                grad_logits = logits.sub_(lse[:, None]).exp_()
-                grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(lse[:, None], -1.0))
-                grad_logits.mul_((ok.to(acc) / n_valid)[:, None])
-                g = grad_logits.to(dtype)
                 if grad_hidden is not None:
                     grad_hidden[start:end] = (g @ w).to(hidden.dtype)
                 if grad_weight is not None:

@@ -1,0 +1,109 @@
+"""scratchlm's Triton FlashAttention-2 vs PyTorch SDPA (flash and cuDNN backends).
+
+    python benchmarks/attention.py [--seqs 1024 4096 16384] [--head-dims 64 128] [--json out.json]
+
+bf16, hidden size 2048 (heads = 2048 / head_dim), batch = 16384 tokens / seq, causal and
+not, forward and forward+backward. TFLOP/s counts 4·B·H·T²·d for the forward (halved when
+causal) and 2.5x that for the backward; times are medians of triton.testing.do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, attention_flops
+
+
+def _sdpa(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+IMPLS = {
+    "scratchlm_triton": lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal),
+    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+}
+
+
+def _time(fn, mode, q, k, v, g, causal):
+    import triton
+
+    if mode == "forward":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal)
+    else:
+        def step():
+            out = fn(q, k, v, causal)
+            torch.autograd.grad(out, (q, k, v), g)
+    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
+    p.add_argument("--modes", nargs="+", default=["forward", "forward_backward"])
+    p.add_argument("--json", help="write all rows to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 1
+    causals = {"both": [True, False], "causal": [True], "noncausal": [False]}[args.causal]
+    rows = []
+    header = (f"{'seq':>6}{'d':>5}{'causal':>7}{'mode':>17}{'ours':>8}{'flash':>8}{'cudnn':>8}"
+              f"{'x flash':>9}{'x cudnn':>9}   (TFLOP/s)")
+    print(torch.cuda.get_device_name(), "bf16, hidden", args.hidden, "tokens", args.tokens)
+    print(header, flush=True)
+    for d in args.head_dims:
+        for seq in args.seqs:
+            B, H = max(1, args.tokens // seq), args.hidden // d
+            q, k, v = [torch.randn(B, H, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3)]
+            g = torch.randn_like(q)
+            for causal in causals:
+                # correctness against the flash backend on these very inputs
+                ours = IMPLS["scratchlm_triton"](q, k, v, causal)
+                ref = IMPLS["sdpa_flash"](q, k, v, causal)
+                err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+                for mode in args.modes:
+                    row = {"seq": seq, "head_dim": d, "batch": B, "heads": H, "causal": causal,
+                           "mode": mode, "rel_err_vs_flash": err}
+                    flops = attention_flops(B, H, seq, d, causal, mode)
+                    for name, fn in IMPLS.items():
+                        try:
+                            t = _time(fn, mode, q, k, v, g, causal)
+                            row[name] = {"seconds": t, "tflops": flops / t / 1e12}
+                        except RuntimeError as exc:  # a backend may refuse a shape
+                            row[name] = {"error": str(exc).splitlines()[0][:200]}
+                    tf = {n: row[n].get("tflops") for n in IMPLS}
+                    row["ratio_vs_flash"] = tf["scratchlm_triton"] / tf["sdpa_flash"] if tf["sdpa_flash"] else None
+                    row["ratio_vs_cudnn"] = tf["scratchlm_triton"] / tf["sdpa_cudnn"] if tf["sdpa_cudnn"] else None
+                    rows.append(row)
+                    fmt = lambda x: f"{x:8.1f}" if x else "     n/a"  # noqa: E731
+                    rat = lambda x: f"{x:9.2f}" if x else "      n/a"  # noqa: E731
+                    print(f"{seq:>6}{d:>5}{str(causal):>7}{mode:>17}{fmt(tf['scratchlm_triton'])}"
+                          f"{fmt(tf['sdpa_flash'])}{fmt(tf['sdpa_cudnn'])}{rat(row['ratio_vs_flash'])}"
+                          f"{rat(row['ratio_vs_cudnn'])}   err {err:.1e}", flush=True)
+            del q, k, v, g
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""A full training step of scratchlm vs a torch.nn reference of the same Llama-shaped model.
+
+    python benchmarks/train_step.py [--shapes gpt2small tinystories longctx] [--json out.json]
+
+scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile,
+scratchlm's AdamW (multi-tensor path) and, as a separately labelled variant, the same model
+with torch's fused AdamW. Reference: nn.Embedding / nn.RMSNorm / nn.Linear,
+F.scaled_dot_product_attention (causal), SwiGLU, rotary embeddings, fused torch.optim.AdamW,
+bf16 autocast, torch.compile. Both compute the loss with F.cross_entropy on float32 logits.
+MFU counts 6 FLOPs per matrix weight per token plus causal attention (the formula of
+scratchlm.bench.commands.model_flops_per_token), against the datasheet 989 TFLOP/s and the
+measured 753 TFLOP/s bf16 matmul rate of the H200.
+
+The long-context shape (vocab 151,936, context 32,768, batch 1) runs eagerly: scratchlm with
+activation checkpointing on every block and the fused LM head, against scratchlm's plain path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scratchlm.bench.commands import model_flops_per_token
+from scratchlm.bench.harness import H200_BF16_DENSE_PEAK, H200_BF16_MEASURED_MATMUL, benchmark
+
+SHAPES = {
+    # d_ff 2048 = 8/3 * 768: the SwiGLU width that keeps GPT-2 small's FFN parameter count.
+    "gpt2small": dict(vocab_size=32_000, context_length=1024, d_model=768, num_layers=12, num_heads=12,
+                      d_ff=2048, batch=32),
+    "tinystories": dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16,
+                        d_ff=1344, batch=256),
+    "longctx": dict(vocab_size=151_936, context_length=32_768, d_model=2560, num_layers=24, num_heads=20,
+                    d_ff=6912, batch=1),
+}
+
+
+class RefBlock(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, d_ff: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln1, self.ln2 = nn.RMSNorm(d_model, eps=1e-5), nn.RMSNorm(d_model, eps=1e-5)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
+        h = self.ln2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def _rotate(x, cos, sin):  # rotate-half RoPE; x: (B, H, T, d)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RefLM(nn.Module):
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff):
+        super().__init__()
+        self.d_model = d_model
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList(RefBlock(d_model, num_heads, d_ff) for _ in range(num_layers))
+        self.norm = nn.RMSNorm(d_model, eps=1e-5)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        d = d_model // num_heads
+        inv = 10_000.0 ** (-torch.arange(0, d, 2).float() / d)
+        ang = torch.arange(context_length).float()[:, None] * inv[None, :]
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, self.cos[:T], self.sin[:T])
+        return self.lm_head(self.norm(x))
+
+
+def _ref_flops_model(shape):
+    # model_flops_per_token reads token_embeddings/layers/d_model: give it an equivalent view
+    with torch.device("meta"):
+        m = RefLM(**{k: v for k, v in shape.items() if k != "batch"})
+    m.token_embeddings = m.embed
+    return m
+
+
+def _step_fn(model, optimizer, x, y, loss_fn):
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _plain_loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def _fused_loss(model, x, y):
+    from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
+
+
+def _scratchlm_model(shape, backend="flash_triton"):
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.transformer import build_model
+
+    cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "batch"}, attention_backend=backend)
+    return build_model(cfg, device="cuda")
+
+
+def _measure(name, make, shape, warmup, steps, flops_token):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    B, T = shape["batch"], shape["context_length"]
+    x = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
+    y = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
+    try:
+        step = make(x, y)
+        r = benchmark(step, warmup=warmup, steps=steps)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"  {name:<42} out of memory", flush=True)
+        return {"variant": name, "error": "out of memory"}
+    tokens_s = B * T / r.median
+    achieved = 3 * flops_token * tokens_s
+    row = {"variant": name, "median_s": r.median, "mean_s": r.mean, "std_s": r.std, "tokens_per_s": tokens_s,
+           "tflops": achieved / 1e12, "mfu_989": achieved / H200_BF16_DENSE_PEAK,
+           "mfu_753": achieved / H200_BF16_MEASURED_MATMUL, "peak_gib": r.peak_memory_bytes / 2**30}
+    print(f"  {name:<42}{r.median * 1e3:9.1f} ms{tokens_s:12.0f} tok/s{achieved / 1e12:8.1f} TFLOP/s"
+          f"{100 * row['mfu_989']:6.1f}% /989{100 * row['mfu_753']:6.1f}% /753{row['peak_gib']:8.1f} GiB", flush=True)
+    return row
+
+
+def run_shape(key, warmup, steps):
+    from scratchlm.optim.adamw import AdamW
+    from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
+
+    shape = SHAPES[key]
+    flops_token = model_flops_per_token(_ref_flops_model(shape), shape["context_length"])
+    print(f"{key}: {shape}, forward FLOPs/token {flops_token / 1e6:.0f}M", flush=True)
+    rows = []
+    holder = {}
+
+    if key == "longctx":
+        def fused(x, y):
+            torch.manual_seed(0)
+            m = _scratchlm_model(shape)
+            apply_activation_checkpointing(m, every=1)
+            opt = AdamW(m.parameters(), lr=1e-4, foreach=True)
+            holder["m"] = m
+            return _step_fn(m, opt, x, y, _fused_loss)
+
+        def plain(x, y):
+            torch.manual_seed(0)
+            m = _scratchlm_model(shape)
+            opt = AdamW(m.parameters(), lr=1e-4, foreach=True)
+            holder["m"] = m
+            return _step_fn(m, opt, x, y, _plain_loss)
+
+        rows.append(_measure("scratchlm ckpt+fused head (eager)", fused, shape, warmup, steps, flops_token))
+        holder.clear()
+        rows.append(_measure("scratchlm plain path (eager)", plain, shape, warmup, steps, flops_token))
+        holder.clear()
+        return {"shape": key, **shape, "rows": rows}
+
+    def reference(x, y):
+        torch.manual_seed(0)
+        m = RefLM(**{k: v for k, v in shape.items() if k != "batch"}).cuda()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+        holder["m"] = m
+        return _step_fn(torch.compile(m), opt, x, y, _plain_loss)
+
+    def ours(optimizer):
+        def make(x, y):
+            torch.manual_seed(0)
+            m = holder.get("ours") or _scratchlm_model(shape)
+            holder["ours"] = m
+            compiled = holder.get("ours_c") or torch.compile(m)
+            holder["ours_c"] = compiled
+            opt = (AdamW(m.parameters(), lr=1e-4, foreach=True) if optimizer == "scratchlm"
+                   else torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))
+            return _step_fn(compiled, opt, x, y, _plain_loss)
+        return make
+
+    ref = _measure("torch.nn reference (SDPA, fused AdamW)", reference, shape, warmup, steps, flops_token)
+    holder.pop("m", None)
+    a = _measure("scratchlm (flash_triton, scratchlm AdamW)", ours("scratchlm"), shape, warmup, steps, flops_token)
+    b = _measure("scratchlm (flash_triton, torch fused AdamW)", ours("torch_fused"), shape, warmup, steps,
+                 flops_token)
+    rows = [ref, a, b]
+    for r in (a, b):
+        if "tokens_per_s" in r and "tokens_per_s" in ref:
+            r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x", flush=True)
+    holder.clear()
+    return {"shape": key, **shape, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["gpt2small", "tinystories"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
+    for key in args.shapes:
+        warm, steps = (1, 3) if key == "longctx" else (args.warmup, args.steps)
+        out["shapes"].append(run_shape(key, warm, steps))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
