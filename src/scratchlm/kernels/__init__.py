@@ -1,0 +1,11 @@
+"""GPU kernels, each beside its pure-PyTorch reference.
+
+- ``flash_attention_torch``: FlashAttention-2 tiling in plain PyTorch (``FlashAttentionTorch``),
+  the readable reference.
+- ``flash_attention_triton``: the same algorithm in Triton, forward and backward
+  (``FlashAttentionTriton``, ``flash_attention``), registered as torch.library custom ops.
+- ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
+  logits never exist at once.
+
+Nothing is imported here: triton and the kernels load only when a module is imported.
+"""
