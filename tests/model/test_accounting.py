@@ -36,6 +36,7 @@ VARIANTS = [
     dict(norm_position="post"),
     dict(use_rope=False),
     dict(ffn="silu", use_rmsnorm=False, tie_embeddings=True),
+    dict(ffn="moe"),  # through build_model, with whatever moe_* fields ModelConfig has
 ]
 MOE_VARIANTS = [
     dict(moe_num_experts=4, moe_top_k=2),

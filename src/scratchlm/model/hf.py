@@ -269,7 +269,8 @@ def export_hf(model: torch.nn.Module, cfg: Any, out: str | Path, *, tokenizer: A
 
     config = hf_config(cfg, dtype=dtype, bos_token_id=eos_id, eos_token_id=eos_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "max_length": cfg.context_length}
+    # No max_length: transformers warns when it meets max_new_tokens, the usual argument.
+    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     files += [out / "config.json", out / "generation_config.json"]
     return files
