@@ -125,3 +125,29 @@ def test_cached_equals_uncached_on_gpu():
     assert cached == [generate(m, [p], 30, temperature=0)[0] for p in prompts]
     sampled = generate(m, prompts, 30, temperature=1.0, top_p=0.9, seed=1)
     assert sampled == generate(m, prompts, 30, temperature=1.0, top_p=0.9, seed=1)
+
+
+def test_greedy_matches_hugging_face_llama_generate():
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.hf import hf_config, to_hf_state_dict
+    from scratchlm.model.transformer import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, context_length=64, d_model=64, num_layers=2, num_heads=4, d_ff=128)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    options = {k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**options)).eval()
+    hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg))
+    prompts = [list(range(1, 20)), list(range(30, 40)), [7, 8]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=15, min_new_tokens=15,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = out[:, width:].tolist()
+    assert generate(model, prompts, 15, temperature=0) == expected
+    assert generate(model, prompts, 15, temperature=0, use_kv_cache=False) == expected
