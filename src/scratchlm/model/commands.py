@@ -70,6 +70,10 @@ def format_report(cfg: Any, report: dict[str, Any]) -> str:
     shape = (f"V={cfg.vocab_size} T={cfg.context_length} D={cfg.d_model} L={cfg.num_layers} "
              f"H={cfg.num_heads} F={cfg.d_ff} ffn={cfg.ffn} attention={cfg.attention_backend}"
              f"{' tied' if cfg.tie_embeddings else ''}{'' if cfg.use_rmsnorm else ' no-rmsnorm'}")
+    if "moe" in report:
+        moe = report["moe"]
+        capacity = "dropless" if moe["capacity_factor"] is None else f"capacity {moe['capacity_factor']:g}"
+        shape += f" (experts={moe['num_experts']} top_k={moe['top_k']} shared={moe['shared']} {capacity})"
     lines = [f"model: {shape}", ""]
     rows.append(("parameters", f"{p['total']:,}", _si(p["total"])))
     for key in ("embedding", "attention", "ffn", "norm", "lm_head"):
