@@ -8,7 +8,7 @@ import regex
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import (
-    GPT2_RE, UNIT_RE, WHITESPACE, count_pretokens_in_range, count_pretokens_in_text,
+    GPT2_RE, UNIT_RE, WHITESPACE, WHITESPACE_CHARS, count_pretokens_in_range, count_pretokens_in_text,
     find_chunk_boundaries, iter_text_blocks, last_safe_cut, pretokenize, special_tokens_pattern,
     split_special,
 )
@@ -28,6 +28,7 @@ def test_whitespace_class_is_regex_whitespace():
     ours = regex.findall(f"[{WHITESPACE}]", everything)
     assert ours == regex.findall(r"\s", everything)
     assert len(ours) == 25
+    assert sorted(WHITESPACE_CHARS) == ours
 
 
 @pytest.mark.parametrize("seed", range(20))

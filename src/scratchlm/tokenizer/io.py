@@ -130,8 +130,9 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
     """The tokenizer as a Hugging Face ``tokenizers`` tokenizer.json document.
 
     Pre-tokenization is GPT-2's regex (Split, isolated) followed by ByteLevel without its own
-    regex; the BPE model has the byte-level vocabulary and the merges; special tokens are added
-    tokens, matched before pre-tokenization (longest first, as here).
+    regex; the BPE model has the byte-level vocabulary and the merges, with ``ignore_merges``
+    (a pretoken that is a whole token maps to it, as here and in tiktoken); special tokens are
+    added tokens, matched before pre-tokenization (longest first, as here).
     """
     special_ids = tokenizer.special_token_ids
     special_by_id = {i: t for t, i in special_ids.items()}
@@ -166,7 +167,7 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
             "end_of_word_suffix": None,
             "fuse_unk": False,
             "byte_fallback": False,
-            "ignore_merges": False,
+            "ignore_merges": True,
             "vocab": vocab,
             "merges": [[token_to_text(a), token_to_text(b)] for a, b in tokenizer.merges],
         },

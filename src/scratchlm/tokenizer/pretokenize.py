@@ -34,6 +34,8 @@ GPT2_RE = regex.compile(GPT2_PAT)
 # The characters the ``regex`` module's \s matches (the Unicode White_Space property); stdlib
 # ``re`` would also count U+001C..U+001F, so the class is spelled out. Tested against ``regex``.
 WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+WHITESPACE_CHARS = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | {
+    chr(c) for c in range(0x2000, 0x200B)}
 UNIT_RE = re.compile(rf" ?[^{WHITESPACE}]+|[{WHITESPACE}]+(?![^{WHITESPACE}])|[{WHITESPACE}]+")
 
 BLOCK_BYTES = 1 << 22  # a worker reads its byte range in blocks of this size

@@ -6,8 +6,9 @@ whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a ca
 unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
 
-BPE on a pretoken follows GPT-2: repeatedly merge the adjacent pair that comes earliest in the
-merge list, until no adjacent pair is in it. Ids come from the vocabulary given, so GPT-2's own
+BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
+repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
+adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). Ids come from the vocabulary given, so GPT-2's own
 ``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
 
 Decoding joins token bytes and decodes them as UTF-8, replacing invalid sequences with U+FFFD.
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 
 from scratchlm.errors import UserError
-from scratchlm.tokenizer.pretokenize import GPT2_RE, UNIT_RE, special_tokens_pattern
+from scratchlm.tokenizer.pretokenize import GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern
 
 EOT = "<|endoftext|>"
 # The unit cache is dropped when it grows past this many entries, so memory stays bounded
@@ -33,19 +34,9 @@ MAX_CACHE_UNITS = 1 << 19
 STREAM_BLOCK_CHARS = 1 << 16
 
 
+
 class UnknownTokenError(UserError, ValueError):
     """decode() was given an id that is not in the vocabulary."""
-
-
-class _UnitCache(dict):
-    """unit -> tuple of ids; a miss computes the unit's ids and stores them."""
-
-    __slots__ = ("compute",)
-
-    def __missing__(self, unit: str) -> tuple[int, ...]:
-        ids = self.compute(unit)
-        self[unit] = ids
-        return ids
 
 
 class Tokenizer:
@@ -89,7 +80,9 @@ class Tokenizer:
                             "a byte-level vocabulary needs all 256")
         # Tokens are handled as strings of chr(id): a pair is a 2-character string and
         # merging it is str.replace, as in training.
-        self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}
+        self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}  # a translate table
+        special_ids = set(self.special_token_ids.values())
+        self._whole = {t: chr(i) for t, i in by_bytes.items() if i not in special_ids}
         self._ranks: dict[str, int] = {}
         self._merged: dict[str, str] = {}
         for rank, (left, right) in enumerate(self.merges):
@@ -105,8 +98,8 @@ class Tokenizer:
 
         self._special_re = special_tokens_pattern(self.special_tokens, capture=True)
         self._max_special = max((len(t) for t in self.special_tokens), default=0)
-        self._cache = _UnitCache()
-        self._cache.compute = self._encode_unit
+        self._pretokens: dict[str, str] = {}
+        self._cache: dict[str, tuple[int, ...]] = {}  # unit -> ids
         self._hash: str | None = None
 
     # --- construction from files -----------------------------------------------------------
@@ -169,30 +162,87 @@ class Tokenizer:
 
     def _bpe(self, pretoken: str) -> str:
         """The merged token string (chr(id) per token) of one pretoken."""
-        word = "".join([self._byte_chars[b] for b in pretoken.encode("utf-8")])
-        ranks = self._ranks
-        while len(word) > 1:
-            best = None
-            best_rank = len(ranks)
-            for k in range(len(word) - 1):
-                rank = ranks.get(word[k:k + 2], best_rank)
-                if rank < best_rank:
-                    best_rank = rank
-                    best = word[k:k + 2]
-            if best is None:
+        data = pretoken.encode("utf-8")
+        whole = self._whole.get(data)
+        if whole is not None:
+            # A pretoken that is itself a token encodes as that token (tiktoken's shortcut,
+            # and Hugging Face's ignore_merges).
+            return whole
+        parts = list(data.decode("latin-1").translate(self._byte_chars))
+        get = self._ranks.get
+        merged_of = self._merged
+        never = len(self._ranks)
+        # ranks[k]: rank of the pair (parts[k], parts[k + 1]); only the two pairs next to a
+        # merge change, so each step is a C-level min() plus two lookups.
+        ranks = [get(parts[k] + parts[k + 1], never) for k in range(len(parts) - 1)]
+        while True:
+            rank = min(ranks)
+            if rank == never:
                 break
-            word = word.replace(best, self._merged[best])
+            k = ranks.index(rank)  # the leftmost of the best pairs, as tiktoken does
+            token = merged_of[parts[k] + parts[k + 1]]
+            parts[k] = token
+            del parts[k + 1]
+            del ranks[k]
+            if k > 0:
+                ranks[k - 1] = get(parts[k - 1] + token, never)
+            if k < len(ranks):
+                ranks[k] = get(token + parts[k + 1], never)
+            if not ranks:
+                break
+        return "".join(parts)
+
+    def _pretoken_chars(self, pretoken: str) -> str:
+        word = self._pretokens.get(pretoken)
+        if word is None:
+            word = self._bpe(pretoken)
+            if len(self._pretokens) > MAX_CACHE_UNITS:
+                self._pretokens.clear()
+            self._pretokens[pretoken] = word
         return word
 
-    def _encode_unit(self, unit: str) -> tuple[int, ...]:
-        word = "".join([self._bpe(p) for p in GPT2_RE.findall(unit)])
-        return tuple(map(ord, word))
+    def _fill_cache(self, units: Iterable[str]) -> None:
+        """Encode units missing from the cache, with one regex pass for all of them.
+
+        Non-whitespace units are joined with newlines: a newline next to a non-space
+        character (or before the space that starts the next unit) is a pretoken of its own,
+        so the pretokens of the joined string are those of each unit, newline-separated.
+        A whitespace unit is a single pretoken.
+        """
+        cache = self._cache
+        pretoken_chars = self._pretoken_chars
+        words = []
+        for unit in units:
+            if unit[-1] in WHITESPACE_CHARS:
+                cache[unit] = tuple(map(ord, pretoken_chars(unit)))
+            else:
+                words.append(unit)
+        if not words:
+            return
+        pretokens = GPT2_RE.findall("\n".join(words))
+        pretokens.append("\n")
+        k = 0
+        parts: list[str] = []
+        for pretoken in pretokens:
+            if pretoken == "\n":
+                cache[words[k]] = tuple(map(ord, "".join(parts)))
+                k += 1
+                parts = []
+            else:
+                parts.append(pretoken_chars(pretoken))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of text, treating special tokens as plain text."""
-        if len(self._cache) > MAX_CACHE_UNITS:
-            self._cache.clear()
-        return list(chain.from_iterable(map(self._cache.__getitem__, UNIT_RE.findall(text))))
+        cache = self._cache
+        units = UNIT_RE.findall(text)
+        try:
+            return list(chain.from_iterable(map(cache.__getitem__, units)))
+        except KeyError:
+            pass
+        if len(cache) > MAX_CACHE_UNITS:
+            cache.clear()
+        self._fill_cache(set(units).difference(cache))
+        return list(chain.from_iterable(map(cache.__getitem__, units)))
 
     def encode(self, text: str) -> list[int]:
         """Ids of text; special tokens in it map to their single ids."""
