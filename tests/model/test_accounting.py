@@ -46,7 +46,7 @@ MOE_VARIANTS = [
 
 def _moe_cfg(**moe) -> types.SimpleNamespace:
     """A ModelConfig with ffn="moe" plus moe_* fields (ModelConfig itself may not carry them)."""
-    return types.SimpleNamespace(**vars(ModelConfig(**SMALL, ffn="moe")), **moe)
+    return types.SimpleNamespace(**{**vars(ModelConfig(**SMALL, ffn="moe")), **moe})
 
 
 def _build_moe(cfg) -> TransformerLM:

@@ -211,8 +211,8 @@ def test_moe_transformer_trains_with_aux_loss():
     from scratchlm.model.transformer import TransformerLM
 
     shape = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48)
-    cfg = types.SimpleNamespace(**vars(ModelConfig(**shape, ffn="moe")), moe_num_experts=4, moe_top_k=2,
-                                moe_capacity_factor=1.0, moe_shared_experts=1)
+    moe = dict(moe_num_experts=4, moe_top_k=2, moe_capacity_factor=1.0, moe_shared_experts=1)
+    cfg = types.SimpleNamespace(**{**vars(ModelConfig(**shape, ffn="moe")), **moe})
     torch.manual_seed(0)
     model = TransformerLM(**shape, ffn="moe", moe_options=moe_options(cfg))
     assert all(isinstance(layer.ffn, MoEFFN) for layer in model.layers)
