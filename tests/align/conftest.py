@@ -9,6 +9,15 @@ from scratchlm.align.prompts import get_template
 from scratchlm.align.task import ArithmeticTask
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run faster on one thread than on a contended pool; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A BPE tokenizer trained on a few hundred synthetic r1_zero solutions."""

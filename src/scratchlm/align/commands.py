@@ -42,6 +42,7 @@ class MetricsWriter:
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / "metrics.jsonl"
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("", encoding="utf-8")  # a rerun into the same folder starts afresh
 
     def __call__(self, row: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as f:

@@ -1,0 +1,65 @@
+"""The sft / expert-iteration / grpo commands on a tiny run directory, and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scratchlm.align.config import GRPORunConfig, SFTRunConfig
+from scratchlm.align.policy import load_policy
+from scratchlm.cli import main
+from scratchlm.config import ConfigError, load_config
+
+COMMON = ["--data.dataset=arith:1", "--data.limit=8", "--data.eval_limit=2", "--sampling.max_new_tokens=6",
+          "--sampling.eval_max_new_tokens=6", "--sampling.batch_size=8", "--policy.device=cpu", "--run.progress=false"]
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_presets_load_with_overrides():
+    cfg = load_config(GRPORunConfig, "align-grpo", ["--grpo.loss_type=grpo_clip", "--optim.lr=3e-6"])
+    assert cfg.grpo.loss_type == "grpo_clip" and cfg.optim.lr == 3e-6
+    assert load_config(SFTRunConfig, "align-sft").data.template == "r1_zero"
+    with pytest.raises(ConfigError):
+        load_config(GRPORunConfig, "align-grpo", ["--grpo.loss_type=ppo"])
+    with pytest.raises(ConfigError):
+        load_config(GRPORunConfig, "align-grpo", ["--grpo.nope=1"])
+
+
+def test_sft_command_writes_metrics_evals_and_policy(tiny_policy, tmp_path):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "sft"
+    code = main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--sft.max_steps=2", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON])
+    assert code == 0
+    rows = _metrics(out)
+    assert rows[0]["step"] == 0 and "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+    assert any("loss" in r for r in rows)
+    assert (out / "eval_step_0.jsonl").is_file() and (out / "config.toml").is_file()
+    assert load_policy(out / "policy").model_config == tiny_policy.model_config
+
+
+def test_grpo_and_expert_iteration_commands(tiny_policy, tmp_path):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "grpo"
+    code = main(["grpo", "align-grpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--grpo.n_grpo_steps=1", "--grpo.rollout_batch_size=4", "--grpo.group_size=2",
+                 "--grpo.train_batch_size=4", "--grpo.grad_accum_steps=2", *COMMON])
+    assert code == 0
+    assert [r["step"] for r in _metrics(out)] == [0, 1] and (out / "policy").is_dir()
+    out = tmp_path / "ei"
+    code = main(["expert-iteration", "align-ei", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--ei.n_ei_steps=1", "--ei.questions_per_step=2", "--ei.group_size=2", *COMMON])
+    assert code == 0
+    assert [r["step"] for r in _metrics(out)] == [0, 1]
+
+
+def test_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["grpo", "align-grpo", f"--run.out_dir={tmp_path}"]) == 2
+    assert "--policy.path" in capsys.readouterr().err
+    assert main(["sft", "align-sft", "--sft.bogus=1"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+    assert main(["sft", "no-such-preset"]) == 2

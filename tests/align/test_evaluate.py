@@ -1,0 +1,68 @@
+"""Evaluation records and summary, and the eval-math command end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scratchlm.align.datasets import MathExample
+from scratchlm.align.evaluate import evaluate_policy, format_summary, summarize
+from scratchlm.align.policy import Completion
+from scratchlm.align.prompts import get_template
+from scratchlm.align.rewards import r1_zero_reward
+
+
+class CannedPolicy:
+    """Answers each prompt with a fixed response, to test grading without a model."""
+
+    def __init__(self, responses):
+        self.responses = responses
+        self.calls = []
+
+    def generate(self, prompts, *, max_new_tokens, temperature=1.0, top_p=None, stop=(), seed=None, batch_size=64):
+        self.calls.append(len(prompts))
+        return [Completion(self.responses[p], 3, True) for p in prompts]
+
+
+def test_summary_counts_correct_formatted_and_wrong():
+    t = get_template("r1_zero")
+    examples = [MathExample("a", "1"), MathExample("b", "2"), MathExample("c", "3"), MathExample("d", "4")]
+    responses = {t.format("a"): " </think> <answer> 1 </answer>", t.format("b"): " </think> <answer> 5 </answer>",
+                 t.format("c"): " 3", t.format("d"): " </think> <answer> 4.0 </answer>"}
+    policy = CannedPolicy(responses)
+    records, summary = evaluate_policy(policy, examples, template=t, reward_fn=r1_zero_reward, batch_size=3)
+    assert policy.calls == [3, 1]
+    assert [r["reward"] for r in records] == [1.0, 0.0, 0.0, 1.0]
+    assert {k: summary[k] for k in ("total", "answer_correct", "format_correct", "formatted_wrong", "unformatted")} == {
+        "total": 4, "answer_correct": 2, "format_correct": 3, "formatted_wrong": 1, "unformatted": 1}
+    assert summary["accuracy"] == 0.5 and summary["generated_tokens"] == 12
+    table = format_summary(summary, title="t")
+    assert "formatted but wrong" in table and "50.00%" in table
+
+
+def test_summarize_empty():
+    assert summarize([])["accuracy"] == 0.0
+
+
+def test_eval_math_command_on_a_tiny_run(tiny_policy, tmp_path, capsys):
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+    out = tmp_path / "res" / "results.jsonl"
+    code = main(["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--limit", "3", "--max-new-tokens", "4",
+                 "--out", str(out), "--device", "cpu"])
+    assert code in (0, None)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and {"prompt", "response", "ground_truth", "reward", "format_reward"} <= set(rows[0])
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert summary["total"] == 3 and summary["dataset"] == "arith:1"
+    assert "answer correct" in capsys.readouterr().out
+
+
+def test_eval_math_command_user_errors(tmp_path, capsys):
+    from scratchlm.cli import main
+
+    assert main(["eval-math", str(tmp_path / "nope"), "--dataset", "arith:1", "--limit", "2"]) == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["eval-math", str(tmp_path), "--dataset", "imagenet"]) == 2

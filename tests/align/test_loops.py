@@ -1,0 +1,122 @@
+"""SFT, expert iteration and GRPO loops on a one-layer model (seconds each)."""
+
+from __future__ import annotations
+
+import torch
+
+from scratchlm.align.config import ExpertIterationConfig, GRPOConfig, OptimConfig, SamplingConfig, SFTConfig
+from scratchlm.align.evaluate import evaluate_policy
+from scratchlm.align.expert_iteration import expert_iteration, filter_rewarded
+from scratchlm.align.grpo import grpo_train
+from scratchlm.align.prompts import get_template
+from scratchlm.align.sft import encode_pairs, sft_train
+from scratchlm.align.task import ArithmeticTask, arithmetic_reward
+
+TEMPLATE = get_template("r1_zero")
+
+
+def _pairs(examples):
+    return [(TEMPLATE.format(e.question), TEMPLATE.response(e.reasoning, e.answer)) for e in examples]
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_encode_pairs_appends_eos_and_fits_the_context(tiny_policy):
+    (p, r), = encode_pairs(tiny_policy, [("Start with 3.", " 3 </think> <answer> 3 </answer>")])
+    assert r[-1] == tiny_policy.eos_id and p == tiny_policy.encode("Start with 3.")
+    long = encode_pairs(tiny_policy, [("Start", " 7" * 400)])
+    assert len(long[0][0]) + len(long[0][1]) == tiny_policy.context_length + 1
+
+
+def test_sft_memorises_worked_solutions_and_stops(tiny_policy):
+    examples = ArithmeticTask(difficulty=1).examples(4, seed=3)
+    history = sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1, max_steps=40),
+                        optim=OptimConfig(lr=1e-2, warmup_steps=5, max_grad_norm=1.0))
+    assert len(history) == 40 and history[-1]["loss"] < 0.2 * history[0]["loss"]
+    assert all(h["token_entropy"] >= 0 for h in history)
+    records, summary = evaluate_policy(tiny_policy, examples, template=TEMPLATE, reward_fn=arithmetic_reward,
+                                       max_new_tokens=24)
+    # The format and the stop are learnt exactly; one-layer arithmetic may still slip.
+    assert summary["format_rate"] == 1.0 and summary["accuracy"] >= 0.5, [r["response"] for r in records]
+    assert all(r["stopped"] for r in records)
+
+
+def test_filter_rewarded_keeps_distinct_successes():
+    kept = filter_rewarded(["a", "a", "b", "b"], ["x", "x", "y", "z"],
+                           [{"reward": 1.0}, {"reward": 1.0}, {"reward": 0.0}, {"reward": 1.0}])
+    assert kept == [("a", "x"), ("b", "z")]
+
+
+def test_expert_iteration_runs_and_logs(tiny_policy):
+    examples = ArithmeticTask(difficulty=1).examples(4, seed=3)
+    sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1, max_steps=40),
+              optim=OptimConfig(lr=1e-2, warmup_steps=5))
+    rows = []
+
+    def format_only(response, truth):  # after a short SFT the format is reliable, the sums not yet
+        r = arithmetic_reward(response, truth)
+        return {**r, "reward": r["format_reward"]}
+
+    history = expert_iteration(
+        tiny_policy, examples, template=TEMPLATE, reward_fn=format_only,
+        ei=ExpertIterationConfig(n_ei_steps=2, questions_per_step=4, group_size=2),
+        sft=SFTConfig(micro_batch_size=2, grad_accum_steps=1), optim=OptimConfig(lr=1e-3),
+        sampling=SamplingConfig(temperature=0.3, max_new_tokens=24, batch_size=8),
+        evaluate=lambda step: {"accuracy": float(step)}, log=rows.append)
+    assert [h["step"] for h in history] == [0, 1, 2] and rows == history
+    assert history[1]["kept"] > 0 and history[1]["sft_steps"] >= 1
+    assert {"rollout_reward", "token_entropy", "response_tokens_mean", "eval_accuracy"} <= set(history[1])
+
+
+def test_grpo_without_reward_signal_leaves_the_policy_unchanged(tiny_policy):
+    before = _params(tiny_policy.model)
+    examples = ArithmeticTask(difficulty=1).examples(8)
+    history = grpo_train(tiny_policy, examples, template=TEMPLATE, reward_fn=lambda r, g: {
+        "format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0},
+        grpo=GRPOConfig(n_grpo_steps=1, rollout_batch_size=8, group_size=4, train_batch_size=4, grad_accum_steps=2),
+        optim=OptimConfig(lr=1e-2, weight_decay=0.0), sampling=SamplingConfig(max_new_tokens=6))
+    assert history[-1]["reward_mean"] == 1.0 and history[-1]["zero_std_groups"] == 1.0
+    for a, b in zip(before, tiny_policy.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_grpo_clip_off_policy_epochs_run_and_report(tiny_policy):
+    before = _params(tiny_policy.model)
+    examples = ArithmeticTask(difficulty=1).examples(8)
+    # A reward that depends on the response, so groups have spread and gradients are non-zero.
+    reward = lambda r, g: {"format_reward": 1.0, "answer_reward": 0.0, "reward": float(len(r) % 2)}  # noqa: E731
+    history = grpo_train(tiny_policy, examples, template=TEMPLATE, reward_fn=reward,
+                         grpo=GRPOConfig(n_grpo_steps=2, rollout_batch_size=8, group_size=4, train_batch_size=4,
+                                         grad_accum_steps=2, loss_type="grpo_clip", epochs_per_rollout_batch=2,
+                                         length_normalization="constant", eval_every=1),
+                         optim=OptimConfig(lr=1e-2), sampling=SamplingConfig(max_new_tokens=6, batch_size=4),
+                         evaluate=lambda step: {"accuracy": 0.0})
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert 0.0 <= history[-1]["clip_fraction"] <= 1.0 and history[-1]["grad_norm"] > 0
+    assert "eval_accuracy" in history[1] and history[1]["rollout_tokens_per_s"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters()))
+
+
+def test_grpo_raises_the_reward_of_a_simple_preference(tiny_policy):
+    """Rewarding responses whose first token is even shifts probability towards them."""
+    examples = ArithmeticTask(difficulty=1).examples(4)
+    prompt_ids = torch.tensor([tiny_policy.encode(TEMPLATE.format(examples[0].question))])
+
+    def even_mass():
+        with torch.no_grad():
+            probs = tiny_policy.model(prompt_ids)[0, -1].softmax(-1)
+        return float(probs[0::2].sum())
+
+    def reward(response, truth):
+        ids = tiny_policy.encode(response)
+        return {"format_reward": 1.0, "answer_reward": 0.0, "reward": float(bool(ids) and ids[0] % 2 == 0)}
+
+    start = even_mass()
+    grpo_train(tiny_policy, examples[:1], template=TEMPLATE, reward_fn=reward,
+               grpo=GRPOConfig(n_grpo_steps=15, rollout_batch_size=16, group_size=16, train_batch_size=16,
+                               grad_accum_steps=1),
+               optim=OptimConfig(lr=3e-2), sampling=SamplingConfig(max_new_tokens=1, batch_size=16))
+    end = even_mass()
+    assert end > start + 0.2

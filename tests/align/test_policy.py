@@ -1,0 +1,99 @@
+"""Policies over scratchlm and Hugging Face models: generation, stop strings, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scratchlm.align.policy import HFPolicy, ScratchPolicy, is_hf_directory, load_policy
+from scratchlm.errors import UserError
+
+PROMPTS = ["Start with 3. Add 4. What is the result?", "Start with 12. Times 2, then add 1."]
+
+
+def test_scratch_generate_is_the_project_generator(tiny_policy):
+    from scratchlm.infer.generate import generate
+
+    out = tiny_policy.generate(PROMPTS, max_new_tokens=8, temperature=0.0)
+    ids = generate(tiny_policy.model, [tiny_policy.encode(p) for p in PROMPTS], 8, temperature=0.0,
+                   eos_id=tiny_policy.eos_id)
+    assert [c.num_tokens for c in out] == [len(r) for r in ids]
+    for comp, row in zip(out, ids):
+        row = row[:-1] if row and row[-1] == tiny_policy.eos_id else row
+        assert comp.text == tiny_policy.decode(row)
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_policy):
+    a = tiny_policy.generate(PROMPTS * 2, max_new_tokens=6, temperature=1.0, seed=3, batch_size=2)
+    b = tiny_policy.generate(PROMPTS * 2, max_new_tokens=6, temperature=1.0, seed=3, batch_size=2)
+    assert [c.text for c in a] == [c.text for c in b]
+
+
+def test_stop_string_cuts_the_text(tiny_policy):
+    class Scripted(ScratchPolicy):
+        def decode(self, ids):
+            return " 3+4=7 </think> <answer> 7 </answer> extra text"
+
+    policy = Scripted(tiny_policy.model, tiny_policy.tokenizer, tiny_policy.model_config)
+    comp = policy.generate(PROMPTS[:1], max_new_tokens=3, temperature=0.0, stop=("</answer>",))[0]
+    assert comp.text == " 3+4=7 </think> <answer> 7 </answer>" and comp.stopped
+
+
+def test_prompt_too_long_is_a_user_error(tiny_policy):
+    with pytest.raises(UserError, match="leaves no room"):
+        tiny_policy.generate(["word " * 400], max_new_tokens=4)
+
+
+def test_save_and_load_scratch_policy(tiny_policy, tmp_path):
+    step = tiny_policy.save(tmp_path / "run", step=7)
+    assert step.name == "step_000007"
+    loaded = load_policy(tmp_path / "run")
+    assert isinstance(loaded, ScratchPolicy)
+    ids = torch.tensor([tiny_policy.encode(PROMPTS[0])])
+    torch.testing.assert_close(loaded.model(ids), tiny_policy.model(ids))
+    assert loaded.encode(PROMPTS[1]) == tiny_policy.encode(PROMPTS[1])
+
+
+def test_load_policy_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_policy(tmp_path / "missing")
+
+
+def _save_random_llama(tmp_path, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer.save(tmp_path / "tok")
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eot_id, bos_token_id=tokenizer.eot_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"),
+                                     eos_token="<|endoftext|>")
+    hf_tok.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_hf_policy_from_a_random_llama(tiny_tokenizer, tmp_path):
+    pytest.importorskip("transformers")
+    path = _save_random_llama(tmp_path, tiny_tokenizer)
+    assert is_hf_directory(path)
+    policy = load_policy(path)
+    assert isinstance(policy, HFPolicy)
+    assert policy.encode(PROMPTS[0]) == tiny_tokenizer.encode(PROMPTS[0])
+    out = policy.generate(PROMPTS, max_new_tokens=5, temperature=0.0)
+    assert len(out) == 2 and all(1 <= c.num_tokens <= 5 for c in out)
+    sampled = policy.generate(PROMPTS, max_new_tokens=5, temperature=1.0, top_p=0.9, seed=1)
+    assert len(sampled) == 2
+
+
+def test_hf_export_generates_what_the_scratch_policy_generates(tiny_policy, tmp_path):
+    pytest.importorskip("transformers")
+    from scratchlm.model.hf import export_hf
+
+    export_hf(tiny_policy.model, tiny_policy.model_config, tmp_path / "hf", tokenizer=tiny_policy.tokenizer)
+    hf = load_policy(tmp_path / "hf")
+    assert isinstance(hf, HFPolicy)
+    ours = [c.text for c in tiny_policy.generate(PROMPTS, max_new_tokens=8, temperature=0.0)]
+    theirs = [c.text for c in hf.generate(PROMPTS, max_new_tokens=8, temperature=0.0)]
+    assert ours == theirs
