@@ -95,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"scratchlm {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `scratchlm ... | head` closed the pipe: stop quietly, as Unix tools do.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return int(result or 0)
 
 

@@ -23,6 +23,12 @@ class ModelConfig:
     ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation) or "moe"
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
     attention_backend: str = "math"  # "math" (reference), "flash_torch" or "flash_triton"
+    moe_num_experts: int = 8  # ffn="moe": routed experts per layer, each a SwiGLU of width d_ff
+    moe_top_k: int = 2  # ffn="moe": experts each token is sent to
+    moe_capacity_factor: float | None = None  # ffn="moe": capacity ceil(f*tokens*top_k/experts); none = dropless
+    moe_shared_experts: int = 0  # ffn="moe": experts every token also goes through
+    moe_aux_coef: float = 0.01  # ffn="moe": weight of the load-balancing loss in the training loss
+    moe_z_coef: float = 0.001  # ffn="moe": weight of the router z-loss in the training loss
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -36,6 +42,14 @@ class ModelConfig:
             raise ValueError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
         if self.ffn not in ("swiglu", "silu", "moe"):
             raise ValueError(f"model.ffn must be 'swiglu', 'silu' or 'moe', got {self.ffn!r}")
+        if self.ffn == "moe":
+            if not 1 <= self.moe_top_k <= self.moe_num_experts:
+                raise ValueError(
+                    f"model.moe_top_k must be between 1 and model.moe_num_experts ({self.moe_num_experts}), "
+                    f"got {self.moe_top_k}"
+                )
+            if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+                raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
         if self.attention_backend not in ("math", "flash_torch", "flash_triton"):
             raise ValueError(
                 "model.attention_backend must be 'math', 'flash_torch' or 'flash_triton', "
