@@ -41,3 +41,19 @@ def test_for_model():
     model = TransformerLM(50, 16, 32, 3, 4, 64, 10_000.0)
     cache = KVCache.for_model(model, 2, 16)
     assert (cache.num_layers, cache.num_heads, cache.head_dim, cache.max_len) == (3, 4, 8, 16)
+
+
+def test_attention_mask_is_causal_padding_aware_and_shared():
+    cache = KVCache(2, 2, 1, 8, 2, pad_lens=[0, 2])
+    cache.update(0, torch.randn(2, 1, 4, 2), torch.randn(2, 1, 4, 2))
+    mask = cache.attention_mask(4, 4)
+    assert mask.shape == (2, 1, 4, 4)
+    assert mask[0, 0].tolist() == [[True, False, False, False], [True, True, False, False],
+                                   [True, True, True, False], [True, True, True, True]]
+    assert mask[1, 0].tolist() == [[False] * 4, [False] * 4, [False, False, True, False], [False, False, True, True]]
+    assert cache.attention_mask(4, 4) is mask  # the next layer reuses it
+    assert cache.attention_mask(1, 5)[1, 0].tolist() == [[False, False, True, True, True]]
+    plain = KVCache(1, 1, 1, 8, 2)
+    plain.update(0, torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+    assert plain.attention_mask(3, 3).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert plain.attention_mask(1, 4) is None

@@ -6,8 +6,8 @@ token costs O(T) instead of re-running the O(T²) prefix.
 
 Batches of prompts of different lengths are left-padded: row b starts with `pad_lens[b]`
 padding slots that no query may attend to (`key_mask`), and its token positions count from
-its first real token (`positions`). The model only calls `positions`, `update`, `key_mask`,
-`seq_len` and `min_pad`; the cache knows nothing about tokens or sampling.
+its first real token (`positions`). The model only calls `positions`, `update`,
+`attention_mask`, `seq_len` and `min_pad`; the cache knows nothing about tokens or sampling.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from scratchlm.model.functional import causal_mask
 
 
 class KVCache:
@@ -53,6 +55,7 @@ class KVCache:
         self._k: list[Tensor | None] = [None] * num_layers
         self._v: list[Tensor | None] = [None] * num_layers
         self._key_mask: Tensor | None = None  # (B, max_len), True at real slots
+        self._mask: tuple[tuple[int, int], Tensor | None] | None = None  # last attention_mask, by (T, L)
 
     @classmethod
     def for_model(
@@ -70,6 +73,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached entry (buffers are kept for reuse)."""
         self.lengths = [0] * self.num_layers
+        self._mask = None
 
     def positions(self, T: int, *, layer_idx: int = 0, device: torch.device | str | None = None) -> Tensor:
         """Positions (B, T) of the next T tokens: slot index minus the row's padding, >= 0."""
@@ -86,6 +90,22 @@ class KVCache:
         if self._key_mask is None:
             raise RuntimeError("key_mask called before any update")
         return self._key_mask[:, :L]
+
+    def attention_mask(self, T: int, L: int, *, device: torch.device | str | None = None) -> Tensor | None:
+        """Boolean mask for T new queries over L cached keys: causal and blind to padding.
+
+        (B, 1, T, L) with padding, (T, L) without, None when every key is visible (one new
+        token, no padding). All layers of a step share it, so it is built once per (T, L).
+        """
+        if self._mask is not None and self._mask[0] == (T, L):
+            return self._mask[1]
+        key_mask = self.key_mask(L)
+        if key_mask is None:
+            mask = None if T == 1 else causal_mask(T, L, device=device)
+        else:
+            mask = causal_mask(T, L, device=key_mask.device) & key_mask[:, None, None, :]
+        self._mask = ((T, L), mask)
+        return mask
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k, v (B, H, T, d) to layer `layer_idx`; return all its keys/values (B, H, L, d)."""

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from scratchlm.model.functional import causal_mask, scaled_dot_product_attention
 from scratchlm.model.layers import Linear
-from scratchlm.model.rope import RotaryEmbedding
+from scratchlm.model.rope import RotaryEmbedding, apply_rope
 
 BACKENDS: dict[str, tuple[str, str] | None] = {
     "math": None,
@@ -101,25 +101,21 @@ class MultiHeadSelfAttention(nn.Module):
         v = self._split_heads(self.v_proj(x))
 
         if self.rope is not None:
-            if token_positions is None:
-                token_positions = (
-                    kv_cache.positions(T, layer_idx=self.layer_idx, device=x.device) if kv_cache is not None else None
-                )
-            pos = token_positions
-            if pos is not None and pos.dim() >= 2:
-                pos = pos.unsqueeze(-2)  # (B, 1, T): broadcast over heads
-            q = self.rope(q, pos)
-            k = self.rope(k, pos)
+            if token_positions is None and kv_cache is not None:
+                token_positions = kv_cache.positions(T, layer_idx=self.layer_idx, device=x.device)
+            elif token_positions is None:
+                token_positions = torch.arange(T, device=x.device)
+            if token_positions.dim() >= 2:
+                token_positions = token_positions.unsqueeze(-2)  # (B, 1, T): broadcast over heads
+            cos, sin = self.rope.tables(token_positions)  # (T, d/2) or (B, 1, T, d/2)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
 
         if kv_cache is not None:
             if attention_mask is not None:
                 raise ValueError("with a kv_cache, padding is given to the cache, not as attention_mask")
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, L, d)
-            L = k.shape[-2]
-            mask = causal_mask(T, L, device=x.device)  # (T, L)
-            key_mask = kv_cache.key_mask(L)  # (B, L) or None
-            if key_mask is not None:
-                mask = mask & key_mask[:, None, None, :]  # (B, 1, T, L)
+            mask = kv_cache.attention_mask(T, k.shape[-2], device=x.device)  # (B, 1, T, L), (T, L) or None
             out = scaled_dot_product_attention(q, k, v, mask)
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)

@@ -84,12 +84,15 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (..., Tq, Tk)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = softmax(scores, dim=-1)
-        if mask is not None:
-            # Fully masked rows are NaN after the softmax; zero them (every entry is masked there).
-            probs = probs.masked_fill(~mask, 0.0)
+        if mask is None:
+            probs = softmax(scores, dim=-1)
+        else:
+            blocked = ~mask
+            scores = scores.masked_fill(blocked, float("-inf"))
+            # Softmax without softmax()'s all -inf guard: a fully masked row turns NaN here and
+            # is zeroed just below (every entry of it is blocked).
+            e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            probs = (e / e.sum(dim=-1, keepdim=True)).masked_fill(blocked, 0.0)
         return (probs @ v).to(out_dtype)
 
 

@@ -72,9 +72,11 @@ class RotaryEmbedding(nn.Module):
             if T > self.max_seq_len:
                 raise ValueError(f"sequence of {T} positions exceeds max_seq_len={self.max_seq_len}")
             token_positions = torch.arange(T, device=x.device)
-        cos = self.cos[token_positions]  # (..., T, d_k/2)
-        sin = self.sin[token_positions]
-        return apply_rope(x, cos, sin)
+        return apply_rope(x, *self.tables(token_positions))
+
+    def tables(self, token_positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin at the given positions, each (..., T, d_k/2): look up once, rotate q and k."""
+        return self.cos[token_positions], self.sin[token_positions]
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
