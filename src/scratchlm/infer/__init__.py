@@ -1,1 +1,34 @@
-"""Decoding: sampling filters, KV cache and batched generation; token ids only."""
+"""Decoding: sampling filters, KV cache and batched generation; token ids only.
+
+Names are resolved lazily so that importing the package (e.g. for the CLI table) is cheap.
+`generate` is not re-exported: its module has the same name, and the package attribute would
+then depend on import order; use `from scratchlm.infer.generate import generate`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "KVCache": "scratchlm.infer.kv_cache",
+    "sample_next": "scratchlm.infer.sampling",
+    "top_k_filter": "scratchlm.infer.sampling",
+    "top_p_filter": "scratchlm.infer.sampling",
+    "apply_temperature": "scratchlm.infer.sampling",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
