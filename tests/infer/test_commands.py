@@ -38,6 +38,12 @@ def test_generate_command_prints_completions(ckpt, capsys):
     assert "sample 1/2" in out and "sample 2/2" in out and "tokens/s" in out
     lines = out.splitlines()
     assert lines[1].startswith("ab") and lines[3].startswith("hello")
+    assert "float32" in lines[-1]
+
+
+def test_generate_command_bfloat16(ckpt, capsys):
+    assert generate_command([str(ckpt), "--max-new-tokens", "4", "--dtype", "bfloat16", "--device", "cpu"]) == 0
+    assert "bfloat16" in capsys.readouterr().out
 
 
 def test_cached_and_uncached_commands_agree(ckpt, capsys):

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, mps ...")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights and activations; auto is bfloat16 on cuda, float32 elsewhere")
     return p
 
 
@@ -62,11 +64,15 @@ def generate_command(argv: list[str]) -> int:
     """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
     args = _parser().parse_args(argv)
     _check_args(args)
+    import torch
+
     from scratchlm.infer.generate import generate
     from scratchlm.train.checkpoint import load_trained_model
 
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_trained_model(args.checkpoint, device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    model.to(getattr(torch, dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer/ directory beside it, so text prompts cannot be encoded")
     eos_id = getattr(tokenizer, "special_token_ids", {}).get(EOT)
@@ -105,5 +111,5 @@ def generate_command(argv: list[str]) -> int:
         print(text + tokenizer.decode(completion))
     cache = "off" if args.no_kv_cache else "on"
     print(f"--- {total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tokens/s "
-          f"(device {device}, batch {len(prompts)}, KV cache {cache}) ---")
+          f"(device {device}, {dtype}, batch {len(prompts)}, KV cache {cache}) ---")
     return 0
