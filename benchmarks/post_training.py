@@ -1,0 +1,278 @@
+"""Post-training end to end on the synthetic arithmetic task: SFT -> expert iteration / GRPO.
+
+    python benchmarks/post_training.py --scale tiny            # CPU, a few minutes
+    python benchmarks/post_training.py --scale full --device cuda --json docs/benchmarks/post_training_full.json
+
+1. Data: multi-step arithmetic problems (scratchlm.align.task) at the scale's difficulty; a
+   small set with worked solutions for SFT, a larger set of questions only for EI/GRPO, and a
+   disjoint held-out set for evaluation.
+2. Base policy: a BPE tokenizer trained on the SFT text and a Transformer trained from random
+   initialisation by SFT on the limited worked solutions (r1_zero format, response tokens only).
+3. Expert iteration and GRPO, each starting from a copy of that SFT policy; held-out accuracy
+   (greedy) before, during and after.
+4. Rollout throughput: the project's batched KV-cache generator against Hugging Face
+   `LlamaForCausalLM.generate` on the same weights (the SFT model exported with
+   scratchlm.model.hf.export_hf), same prompts, same number of new tokens, and whether their
+   greedy outputs agree.
+
+Prints a table and writes everything (settings, per-step metrics, figures) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from scratchlm.align.config import ExpertIterationConfig, GRPOConfig, OptimConfig, SamplingConfig, SFTConfig
+from scratchlm.align.evaluate import evaluate_policy
+from scratchlm.align.expert_iteration import expert_iteration
+from scratchlm.align.grpo import grpo_train
+from scratchlm.align.policy import ScratchPolicy, autocast_context
+from scratchlm.align.prompts import get_template
+from scratchlm.align.sft import sft_train
+from scratchlm.align.task import ArithmeticTask, arithmetic_reward
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.transformer import build_model
+
+
+@dataclass
+class Scale:
+    """Sizes of one benchmark run."""
+
+    difficulty: int
+    max_operand: int
+    max_value: int
+    n_sft: int  # worked solutions for SFT (the "limited" supervision)
+    n_rl: int  # questions (no solutions) for EI / GRPO
+    n_eval: int  # held-out questions
+    vocab_size: int
+    model: dict
+    sft: SFTConfig
+    sft_optim: OptimConfig
+    ei: ExpertIterationConfig
+    ei_sft: SFTConfig
+    ei_optim: OptimConfig
+    grpo: GRPOConfig
+    grpo_optim: OptimConfig
+    sampling: SamplingConfig
+    throughput_batch: int
+    throughput_tokens: int
+    threads: int = 0  # torch threads on CPU (0 = leave as is)
+    notes: list[str] = field(default_factory=list)
+
+
+SCALES = {
+    "tiny": Scale(
+        difficulty=1, max_operand=9, max_value=99, n_sft=150, n_rl=200, n_eval=80, vocab_size=700,
+        model=dict(context_length=160, d_model=96, num_layers=2, num_heads=4, d_ff=256),
+        sft=SFTConfig(micro_batch_size=16, grad_accum_steps=1, max_steps=300, log_every=50),
+        sft_optim=OptimConfig(lr=3e-3, warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0),
+        ei=ExpertIterationConfig(n_ei_steps=2, questions_per_step=48, group_size=4, sft_epochs=1.0),
+        ei_sft=SFTConfig(micro_batch_size=16, grad_accum_steps=1),
+        ei_optim=OptimConfig(lr=5e-4, min_lr_ratio=1.0),
+        grpo=GRPOConfig(n_grpo_steps=12, rollout_batch_size=64, group_size=8, train_batch_size=64,
+                        grad_accum_steps=4, eval_every=4),
+        grpo_optim=OptimConfig(lr=5e-4, min_lr_ratio=1.0),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=24, batch_size=64, eval_max_new_tokens=24),
+        throughput_batch=32, throughput_tokens=32, threads=1,
+    ),
+    "full": Scale(
+        difficulty=3, max_operand=9, max_value=99, n_sft=1000, n_rl=20000, n_eval=500, vocab_size=2000,
+        model=dict(context_length=256, d_model=384, num_layers=6, num_heads=6, d_ff=1024),
+        sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1, max_steps=300, log_every=50),
+        sft_optim=OptimConfig(lr=1e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0),
+        ei=ExpertIterationConfig(n_ei_steps=4, questions_per_step=512, group_size=4, sft_epochs=1.0),
+        ei_sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1),
+        ei_optim=OptimConfig(lr=1e-4, min_lr_ratio=1.0),
+        grpo=GRPOConfig(n_grpo_steps=150, rollout_batch_size=256, group_size=8, train_batch_size=256,
+                        grad_accum_steps=4, eval_every=25),
+        grpo_optim=OptimConfig(lr=1e-4, min_lr_ratio=1.0),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, batch_size=256, eval_max_new_tokens=48),
+        throughput_batch=256, throughput_tokens=64,
+    ),
+}
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, work: Path):
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+
+    corpus = work / "corpus.txt"
+    corpus.write_text("\n".join(texts), encoding="utf-8")
+    vocab, merges = train_bpe(corpus, vocab_size, ["<|endoftext|>"])
+    return Tokenizer(vocab, merges, ["<|endoftext|>"])
+
+
+def throughput(policy: ScratchPolicy, prompts: list[str], new_tokens: int, work: Path, repeats: int = 3) -> dict:
+    """Generated tokens/s of scratchlm.infer.generate vs HF generate on the same weights."""
+    from transformers import LlamaForCausalLM
+
+    from scratchlm.infer.generate import generate
+    from scratchlm.model.hf import export_hf
+
+    export_hf(policy.model, policy.model_config, work / "hf", tokenizer=policy.tokenizer)
+    hf = LlamaForCausalLM.from_pretrained(work / "hf").to(policy.device).eval()
+    ids = [policy.encode(p) for p in prompts]
+    width = max(len(r) for r in ids)
+    pad = policy.pad_id
+    hf_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=policy.device)
+    hf_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=policy.device)
+
+    def ours():
+        with autocast_context(policy.device):
+            return generate(policy.model, ids, new_tokens, temperature=0.0, eos_id=None)
+
+    def theirs():
+        with torch.inference_mode(), autocast_context(policy.device):
+            out = hf.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    def timed(fn):
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            if policy.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = fn()
+            if policy.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return result, statistics.median(times)
+
+    a, t_ours = timed(ours)
+    b, t_hf = timed(theirs)
+    tokens = len(prompts) * new_tokens
+    agree = sum(x == y for x, y in zip(a, b)) / len(a)
+    return {"batch": len(prompts), "new_tokens": new_tokens, "prompt_tokens_max": width,
+            "scratchlm_tokens_per_s": tokens / t_ours, "hf_tokens_per_s": tokens / t_hf,
+            "ratio_scratchlm_over_hf": t_hf / t_ours, "greedy_rows_identical": agree}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["ei", "grpo", "throughput"])
+    args = parser.parse_args(argv)
+    scale = SCALES[args.scale]
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cpu" and scale.threads:
+        torch.set_num_threads(scale.threads)  # tiny models: one thread beats a contended pool
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    results: dict = {"scale": args.scale, "device": str(device), "settings": asdict(scale),
+                     "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                                 "cpu_threads": torch.get_num_threads(),
+                                 "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}}
+
+    template = get_template("r1_zero")
+    task = ArithmeticTask(difficulty=scale.difficulty, max_operand=scale.max_operand, max_value=scale.max_value)
+    train_all = task.examples(scale.n_sft + scale.n_rl, split="train", seed=args.seed)
+    sft_examples, rl_examples = train_all[:scale.n_sft], train_all[scale.n_sft:]
+    heldout = task.examples(scale.n_eval, split="test", seed=args.seed)
+    pairs = [(template.format(e.question), template.response(e.reasoning, e.answer)) for e in sft_examples]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer = build_tokenizer([p + r for p, r in pairs], scale.vocab_size, work)
+        cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **scale.model)
+        policy = ScratchPolicy(build_model(cfg, device=device), tokenizer, cfg)
+        params = sum(p.numel() for p in policy.model.parameters())
+        results["model"] = {**scale.model, "vocab_size": cfg.vocab_size, "parameters": params}
+        print(f"[{args.scale}] {device}, model {params / 1e6:.2f}M params, difficulty {scale.difficulty}, "
+              f"{len(pairs)} worked solutions, {len(rl_examples)} RL questions, {len(heldout)} held out", flush=True)
+
+        def evaluator(pol):
+            def evaluate(step):
+                _, s = evaluate_policy(pol, heldout, template=template, reward_fn=arithmetic_reward,
+                                       max_new_tokens=scale.sampling.eval_max_new_tokens,
+                                       batch_size=scale.sampling.batch_size, seed=args.seed)
+                return {k: s[k] for k in ("accuracy", "format_rate", "mean_response_tokens", "tokens_per_s")}
+            return evaluate
+
+        def log(row):
+            keep = ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy", "eval_format_rate",
+                    "kept", "token_entropy", "clip_fraction", "rollout_tokens_per_s")
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keep}),
+                  flush=True)
+
+        t0 = time.perf_counter()
+        sft_hist = sft_train(policy, pairs, sft=scale.sft, optim=scale.sft_optim, seed=args.seed, log=log)
+        sft_eval = evaluator(policy)(0)
+        results["sft"] = {"seconds": time.perf_counter() - t0, "final_loss": sft_hist[-1]["loss"], "eval": sft_eval,
+                          "history": sft_hist}
+        print(f"SFT: held-out accuracy {100 * sft_eval['accuracy']:.1f}% (format {100 * sft_eval['format_rate']:.1f}%)",
+              flush=True)
+        sft_state = copy.deepcopy(policy.model.state_dict())
+
+        def fresh_policy():
+            model = build_model(cfg, device=device)
+            model.load_state_dict(sft_state)
+            return ScratchPolicy(model, tokenizer, cfg)
+
+        if "ei" not in args.skip:
+            pol = fresh_policy()
+            t0 = time.perf_counter()
+            hist = expert_iteration(pol, rl_examples, template=template, reward_fn=arithmetic_reward, ei=scale.ei,
+                                    sft=scale.ei_sft, optim=scale.ei_optim, sampling=scale.sampling,
+                                    evaluate=evaluator(pol), seed=args.seed, log=log)
+            results["ei"] = {"seconds": time.perf_counter() - t0, "history": hist,
+                             "final_accuracy": hist[-1]["eval_accuracy"]}
+        if "grpo" not in args.skip:
+            pol = fresh_policy()
+            t0 = time.perf_counter()
+            hist = grpo_train(pol, rl_examples, template=template, reward_fn=arithmetic_reward, grpo=scale.grpo,
+                              optim=scale.grpo_optim, sampling=scale.sampling, evaluate=evaluator(pol),
+                              seed=args.seed, log=log)
+            evals = [h for h in hist if "eval_accuracy" in h]
+            results["grpo"] = {"seconds": time.perf_counter() - t0, "history": hist,
+                               "final_accuracy": evals[-1]["eval_accuracy"],
+                               "best_accuracy": max(h["eval_accuracy"] for h in evals)}
+        if "throughput" not in args.skip:
+            prompts = [template.format(e.question) for e in heldout[:scale.throughput_batch]]
+            prompts = (prompts * (scale.throughput_batch // max(len(prompts), 1) + 1))[:scale.throughput_batch]
+            results["throughput"] = throughput(policy, prompts, scale.throughput_tokens, work)
+
+    results["seconds"] = time.perf_counter() - started
+    print()
+    print(f"{'stage':<44}{'held-out accuracy':>18}{'format':>10}{'seconds':>10}")
+    print(f"{'SFT (start)':<44}{100 * sft_eval['accuracy']:>17.1f}%{100 * sft_eval['format_rate']:>9.1f}%"
+          f"{results['sft']['seconds']:>10.1f}")
+    for name in ("ei", "grpo"):
+        if name in results:
+            last = [h for h in results[name]["history"] if "eval_accuracy" in h][-1]
+            label = {"ei": "expert iteration", "grpo": f"GRPO ({scale.grpo.loss_type})"}[name]
+            delta = 100 * (last["eval_accuracy"] - sft_eval["accuracy"])
+            print(f"{label + f' ({delta:+.1f} pts)':<44}{100 * last['eval_accuracy']:>17.1f}%"
+                  f"{100 * last['eval_format_rate']:>9.1f}%{results[name]['seconds']:>10.1f}")
+    if "throughput" in results:
+        t = results["throughput"]
+        print(f"\nrollout throughput, batch {t['batch']} x {t['new_tokens']} new tokens (greedy, same weights):")
+        print(f"  scratchlm generate   {t['scratchlm_tokens_per_s']:>10.1f} tokens/s")
+        print(f"  HF generate          {t['hf_tokens_per_s']:>10.1f} tokens/s")
+        print(f"  ratio                {t['ratio_scratchlm_over_hf']:>10.2f}x   identical greedy rows: "
+              f"{100 * t['greedy_rows_identical']:.0f}%")
+    print(f"total {results['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
