@@ -136,3 +136,23 @@ def test_importing_the_tokenizer_does_not_import_torch():
             "scratchlm.tokenizer.io, scratchlm.tokenizer.commands, scratchlm.tokenizer.stats; import scratchlm; scratchlm.Tokenizer; "
             "assert 'torch' not in sys.modules, 'torch imported'; assert 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_long_text_is_encoded_in_blocks(trained, tinystories_text, monkeypatch):
+    from scratchlm.tokenizer import tokenizer as module
+
+    text = tinystories_text[:60_000] + "   spaced  out \n\n end"
+    expected = trained.encode(text)
+    monkeypatch.setattr(module, "ENCODE_BLOCK_CHARS", 1000)
+    fresh = Tokenizer(trained.vocab, trained.merges, [EOT])
+    assert fresh.encode(text) == expected
+    monkeypatch.setattr(module, "MAX_CACHE_UNITS", 10)
+    monkeypatch.setattr(module, "MAX_CACHE_PRETOKENS", 10)
+    assert Tokenizer(trained.vocab, trained.merges, [EOT]).encode(text) == expected
+
+
+def test_ids_beyond_the_surrogate_range(trained):
+    from scratchlm.tokenizer.tokenizer import _ids_of
+
+    ids = [0, 65, 0xD800, 0xDFFF, 70_000, 0x10FFFF]
+    assert _ids_of("".join(map(chr, ids))) == ids

@@ -10,13 +10,15 @@ Two phases:
 
 1. Pretoken counting (``pretokenize``): the file is cut into byte ranges at special tokens,
    each range is read and counted by a worker process on its own, block by block, so memory is
-   bounded by the number of distinct pretokens, not by the size of the file. Small files skip
-   the pool.
-2. The merge loop keeps pair -> count and pair -> {words containing it} and updates both only
-   for the words a merge touches. The best pair comes from a heap with lazy invalidation: an
-   entry whose count went stale is re-pushed with its current count when it reaches the top.
-   Counts of existing pairs only ever fall (a merge creates pairs only with the new token), so
-   the top entry, once fresh, is the true maximum.
+   bounded by the number of distinct units/pretokens, not by the size of the file. Small files
+   skip the pool.
+2. The merge loop keeps pair -> count and pair -> words containing it (a superset: stale
+   entries cost one wasted ``str.replace``) and updates both only around the new tokens of the
+   words a merge touches. A word is a string of ``chr(token id)``, so merging is
+   ``str.replace`` and finding the new tokens ``str.find``, both in C. The best pair comes from
+   a heap with lazy invalidation: an entry whose count went stale is re-pushed with its current
+   count when it reaches the top. Counts of existing pairs only ever fall (a merge creates
+   pairs only with the new token), so the top entry, once fresh, is the true maximum.
 
 Ties between equally frequent pairs go to the lexicographically greater pair of byte strings,
 ``max(pairs, key=lambda p: (count[p], vocab[p[0]], vocab[p[1]]))``. The heap is a min-heap,
@@ -194,18 +196,19 @@ def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, 
             words.append(data.decode("latin-1"))
             freqs.append(n)
 
-    pair_counts: dict[str, int] = {}
-    pair_words: dict[str, set[int]] = {}
+    # pair -> word indices: a superset (a word may be listed twice or have lost the pair
+    # since), which costs a wasted str.replace at most and saves keeping the index exact.
+    pair_words: dict[str, list[int]] = {}
     for wi, word in enumerate(words):
-        n = freqs[wi]
         for k in range(len(word) - 1):
             pair = word[k:k + 2]
-            pair_counts[pair] = pair_counts.get(pair, 0) + n
             where = pair_words.get(pair)
             if where is None:
-                pair_words[pair] = {wi}
+                pair_words[pair] = [wi]
             else:
-                where.add(wi)
+                where.append(wi)
+    # A pair listed twice for a word occurs twice in it, so summing over the list counts right.
+    pair_counts: dict[str, int] = {p: sum(map(freqs.__getitem__, where)) for p, where in pair_words.items()}
     heap = [(-n, rkeys[ord(p[0])], rkeys[ord(p[1])], p) for p, n in pair_counts.items()]
     heapq.heapify(heap)
 
@@ -223,12 +226,14 @@ def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, 
         rkeys.append(_reverse_key(vocab[new]))
         merges.append((vocab[a], vocab[b]))
 
-        touched: set[str] = set()
+        # Pairs with the new token did not exist before this merge: count them apart.
+        fresh: dict[str, int] = {}
+        fresh_words: dict[str, list[int]] = {}
         for wi in pair_words.pop(best):
             word = words[wi]
             merged = word.replace(best, N)
             if len(merged) == len(word):
-                continue  # the index is a superset: this word lost the pair to an earlier merge
+                continue  # listed twice, or lost the pair to an earlier merge
             words[wi] = merged
             n = freqs[wi]
             last = len(merged) - 1
@@ -245,31 +250,29 @@ def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, 
                     else:
                         pair_counts[left + A] -= n
                         pair = left + N
-                        pair_counts[pair] = pair_counts.get(pair, 0) + n
-                        touched.add(pair)
-                        where = pair_words.get(pair)
+                        fresh[pair] = fresh.get(pair, 0) + n
+                        where = fresh_words.get(pair)
                         if where is None:
-                            pair_words[pair] = {wi}
+                            fresh_words[pair] = [wi]
                         else:
-                            where.add(wi)
+                            where.append(wi)
                 if j < last:
                     right = merged[j + 1]
                     if right != N:
                         pair_counts[B + right] -= n
                     pair = N + right
-                    pair_counts[pair] = pair_counts.get(pair, 0) + n
-                    touched.add(pair)
-                    where = pair_words.get(pair)
+                    fresh[pair] = fresh.get(pair, 0) + n
+                    where = fresh_words.get(pair)
                     if where is None:
-                        pair_words[pair] = {wi}
+                        fresh_words[pair] = [wi]
                     else:
-                        where.add(wi)
+                        where.append(wi)
                 j = merged.find(N, j + 1)
         del pair_counts[best]
-        for pair in touched:
-            n = pair_counts[pair]
-            if n > 0:
-                heapq.heappush(heap, (-n, rkeys[ord(pair[0])], rkeys[ord(pair[1])], pair))
+        pair_counts.update(fresh)
+        pair_words.update(fresh_words)
+        for pair, n in fresh.items():
+            heapq.heappush(heap, (-n, rkeys[ord(pair[0])], rkeys[ord(pair[1])], pair))
         if len(merges) % 64 == 0:
             bar.update(64)
     bar.update(len(merges) % 64)
