@@ -167,8 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--skip", nargs="*", default=[], choices=["ei", "grpo", "throughput"])
+    parser.add_argument("--difficulty", type=int, help="override the scale's task difficulty")
+    parser.add_argument("--n-sft", type=int, help="override the number of worked solutions")
+    parser.add_argument("--sft-steps", type=int, help="override the SFT optimizer steps")
+    parser.add_argument("--grpo-steps", type=int, help="override the GRPO steps")
+    parser.add_argument("--grpo-loss", choices=["no_baseline", "reinforce_with_baseline", "grpo_clip"])
     args = parser.parse_args(argv)
-    scale = SCALES[args.scale]
+    scale = copy.deepcopy(SCALES[args.scale])
+    if args.difficulty:
+        scale.difficulty = args.difficulty
+    if args.n_sft:
+        scale.n_sft = args.n_sft
+    if args.sft_steps:
+        scale.sft.max_steps = args.sft_steps
+    if args.grpo_steps:
+        scale.grpo.n_grpo_steps = args.grpo_steps
+    if args.grpo_loss:
+        scale.grpo.loss_type = args.grpo_loss
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu" and scale.threads:

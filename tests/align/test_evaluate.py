@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.evaluate import evaluate_policy, format_summary, summarize
 from scratchlm.align.policy import Completion
