@@ -79,7 +79,7 @@ def named_params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_reference(kind: str, steps: int, world: int, optimizer: str = "adamw", clip: float = 0.0,
-                    joint: bool = True) -> dict[str, Any]:
+                    joint: bool = True, device: str = "cpu") -> dict[str, Any]:
     """One process over the same global batches: loss = mean over ranks' halves, one step each.
 
     `joint=True` back-propagates the mean of the halves' losses in one backward. That equals the
@@ -89,10 +89,11 @@ def train_reference(kind: str, steps: int, world: int, optimizer: str = "adamw",
     half of loss / world, gradients accumulated half by half.
     """
     torch.use_deterministic_algorithms(True)
-    model = build(kind)
+    model = build(kind).to(device)
     opt = make_optimizer(model.parameters(), optimizer)
     losses, norms = [], []
     for step in batches(steps, world):
+        step = [(x.to(device), y.to(device)) for x, y in step]
         opt.zero_grad(set_to_none=True)
         if joint:
             loss = sum(loss_fn(model, x, y) for x, y in step) / world
@@ -218,7 +219,7 @@ def engine_job(rank: int, world: int, strategy: str, kind: str = "lm", steps: in
         data = batches(steps, world)
 
         def train_step(i: int) -> tuple[float, float]:
-            x, y = data[i][rank]
+            x, y = (t.to(engine.device) for t in data[i][rank])
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)
             loss.backward()

@@ -318,14 +318,13 @@ def init_engine(cfg: ParallelConfig) -> ParallelEngine:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = cfg.backend if cfg.backend != "auto" else default_backend()
-    if backend == "nccl" and not torch.cuda.is_available():
+    if backend == "nccl" and not torch.cuda.is_available() and not dist.is_initialized():
         raise UserError("parallel.backend='nccl' needs CUDA; use 'gloo' (or 'auto') on CPU")
-    if backend == "nccl":
+    device = torch.device("cpu")
+    owns = not dist.is_initialized()
+    if owns and backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    owns = not dist.is_initialized()
     if owns:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -338,8 +337,11 @@ def init_engine(cfg: ParallelConfig) -> ParallelEngine:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg.timeout_s), **kwargs)
     else:
+        # Joined already (e.g. by a launcher in Python): follow that group and current device.
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        local_rank = device.index if device.type == "cuda" else local_rank
     return ParallelEngine(cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                           backend=backend, owns_process_group=owns)
 

@@ -51,6 +51,8 @@ def _worker(
     collective_timeout_s: float,
 ) -> None:
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         init_process_group(
             rank, world_size, backend=backend, master_addr="127.0.0.1", master_port=port,
             timeout_s=collective_timeout_s,

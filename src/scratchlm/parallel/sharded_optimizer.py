@@ -6,8 +6,9 @@ averaged gradient; what is divided across ranks is the optimizer state (AdamW's 
 rank; at `step()` every rank updates only the parameters it owns with a local instance of the
 wrapped optimizer, then each updated parameter is broadcast from its owner to everyone.
 
-Parameters are assigned in order to the rank with the fewest elements so far (a greedy
-balance of numel, deterministic and identical on every rank). Because the update of a
+Parameters are assigned largest first to the rank with the fewest elements so far (a greedy
+balance of numel, deterministic and identical on every rank); each rank's local optimizer
+sees its parameters in their original order. Because the update of a
 parameter depends only on its own gradient and state, the result is bit-identical to running
 the wrapped optimizer on all parameters in one process (for element-wise optimizers such as
 AdamW and SGD).
@@ -59,13 +60,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Add a group to the full groups and this rank's owned part of it to the local optimizer."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        owned = []
-        for p in group["params"]:
+        # Largest first, each to the least-loaded rank (ties to the lower rank): a greedy
+        # balance that copes with a few huge matrices (embeddings) among many small ones.
+        order = sorted(range(len(group["params"])), key=lambda i: -group["params"][i].numel())
+        for i in order:
+            p = group["params"][i]
             rank = min(range(self.world_size), key=lambda r: self._load[r])
             self._load[rank] += p.numel()
             self.owner[id(p)] = rank
-            if rank == self.rank:
-                owned.append(p)
+        owned = [p for p in group["params"] if self.owner[id(p)] == self.rank]
         local_group = {k: v for k, v in group.items() if k != "params"}
         local_group["params"] = owned
         if self.local_optimizer is None:
