@@ -109,3 +109,25 @@ def test_saved_weights_are_regathered_not_kept(world_of_one, monkeypatch):
     # Backward gathers each Linear again (matmul needs its weight); the embedding's backward
     # needs only the indices.
     assert len(gathers) - forward_gathers == linears
+
+
+def test_world_of_one_fsdp_with_activation_checkpointing(world_of_one):
+    from torch.utils.checkpoint import checkpoint
+
+    from scratchlm.parallel.fsdp import FSDP
+
+    ref = dist_workers.train_reference("lm", 2, 1)
+    plain = dist_workers.build("lm")
+    for block in plain.layers:  # as scratchlm.train.activation_checkpoint does, from outside
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+    model = FSDP(plain)
+    opt = dist_workers.make_optimizer(model.parameters(), "adamw")
+    for step in dist_workers.batches(2, 1):
+        (x, y), = step
+        opt.zero_grad(set_to_none=True)
+        dist_workers.loss_fn(model, x, y).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    full = model.gather_full_params()
+    for name, expected in ref["params"].items():
+        assert torch.equal(full[name], expected), name

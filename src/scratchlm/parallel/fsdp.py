@@ -190,9 +190,12 @@ class FSDP(nn.Module):
             full = _GatherWeight.apply(w.shard, w, dtype)
             sub.__dict__[name] = full  # shadows the shard Parameter during this forward
             ptrs[full.untyped_storage().data_ptr()] = w
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # Outside backward only: during activation-checkpoint recomputation the gathered
-            # weight is needed immediately and must be saved as is.
+        if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            # Only outside backward (during activation-checkpoint recomputation the gathered
+            # weight is needed at once) and only when no other saved-tensor hooks are active:
+            # inside a checkpointed block, checkpoint's own hooks already drop every saved
+            # tensor, the gathered weight included, and must see all of them.
             hooks = torch.autograd.graph.saved_tensors_hooks(_make_pack(ptrs), _unpack)
             hooks.__enter__()
             self._saved_hooks[id(sub)] = hooks
