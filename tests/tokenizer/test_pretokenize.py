@@ -105,3 +105,14 @@ def test_non_utf8_names_byte_offset(tmp_path):
     path.write_bytes(b"hello world\n" * 10 + b"caf\xe9\n")
     with pytest.raises(UserError, match=r"byte offset 123 \(byte 0xe9\)"):
         count_pretokens_in_range(path, 0, path.stat().st_size, [])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ascii_pattern_equals_gpt2_on_ascii(seed):
+    from scratchlm.tokenizer.pretokenize import GPT2_ASCII_RE
+
+    rng = random.Random(seed)
+    pieces = ["'s", "'ll", "'", " ", "  ", "\n", "\t", "\r\n", "\x0b", "\x0c", "\x1c", "\x1f", "ab", "Z",
+              "42", "!?", "_", "-", "\x00", "\x7f"]
+    text = "".join(rng.choice(pieces) if rng.random() < 0.7 else chr(rng.randrange(128)) for _ in range(5000))
+    assert GPT2_ASCII_RE.findall(text) == GPT2_RE.findall(text)

@@ -25,7 +25,9 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 
 from scratchlm.errors import UserError
-from scratchlm.tokenizer.pretokenize import GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern
+from scratchlm.tokenizer.pretokenize import (
+    GPT2_ASCII_RE, GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern,
+)
 
 EOT = "<|endoftext|>"
 # The caches are dropped when they grow past this many entries, so memory stays bounded
@@ -97,6 +99,7 @@ class Tokenizer:
         # Tokens are handled as strings of chr(id): a pair is a 2-character string and
         # merging it is str.replace, as in training.
         self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}  # a translate table
+        self._bytes_are_ids = all(self._byte_chars[b] == chr(b) for b in range(256))  # train_bpe layout
         special_ids = set(self.special_token_ids.values())
         self._whole = {t: chr(i) for t, i in by_bytes.items() if i not in special_ids}
         self._ranks: dict[str, int] = {}
@@ -184,7 +187,8 @@ class Tokenizer:
             # A pretoken that is itself a token encodes as that token (tiktoken's shortcut,
             # and Hugging Face's ignore_merges).
             return whole
-        parts = list(data.decode("latin-1").translate(self._byte_chars))
+        chars = data.decode("latin-1")
+        parts = list(chars if self._bytes_are_ids else chars.translate(self._byte_chars))
         get = self._ranks.get
         merged_of = self._merged
         never = len(self._ranks)
@@ -215,24 +219,36 @@ class Tokenizer:
         character (or before the space that starts the next unit) is a pretoken of its own,
         so the pretokens of the joined string are those of each unit, newline-separated; and
         no non-whitespace unit's tokens contain the newline token, so splitting the joined
-        token string on it gives each unit's tokens back. A whitespace unit is one pretoken.
+        token string on it gives each unit's tokens back. A whitespace unit, or ASCII letters
+        or digits after an optional space, is one pretoken; other ASCII units go through the
+        faster ASCII form of the pattern.
         """
         pretokens_cache = self._pretokens
         if len(pretokens_cache) > MAX_CACHE_PRETOKENS:
             pretokens_cache.clear()
+        single: list[str] = []  # units that are one pretoken
+        ascii_words: list[str] = []
         words: list[str] = []
-        spaces: list[str] = []
         for unit in units:
-            (spaces if unit[-1] in WHITESPACE_CHARS else words).append(unit)
+            if unit[-1] in WHITESPACE_CHARS:
+                single.append(unit)
+            elif unit.isascii():
+                body = unit[1:] if unit[0] == " " else unit
+                (single if body.isalpha() or body.isdigit() else ascii_words).append(unit)
+            else:
+                words.append(unit)
+        ascii_pretokens = GPT2_ASCII_RE.findall("\n".join(ascii_words)) if ascii_words else []
         pretokens = GPT2_RE.findall("\n".join(words)) if words else []
-        for pretoken in set(pretokens).union(spaces, ["\n"]).difference(pretokens_cache):
+        need = set(pretokens).union(ascii_pretokens, single, ["\n"]).difference(pretokens_cache)
+        for pretoken in need:
             pretokens_cache[pretoken] = self._bpe(pretoken)
         cache = self._cache
-        for unit in spaces:
-            cache[unit] = pretokens_cache[unit]
-        if words:
-            joined = "".join(map(pretokens_cache.__getitem__, pretokens))
-            cache.update(zip(words, joined.split(pretokens_cache["\n"])))
+        get = pretokens_cache.__getitem__
+        cache.update(zip(single, map(get, single)))
+        newline = pretokens_cache["\n"]
+        for group, found in ((ascii_words, ascii_pretokens), (words, pretokens)):
+            if group:
+                cache.update(zip(group, "".join(map(get, found)).split(newline)))
 
     def _encode_chars(self, text: str) -> str:
         """The token string (chr(id) per token) of text without special tokens."""
