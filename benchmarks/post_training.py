@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, help="override the SFT optimizer steps")
     parser.add_argument("--grpo-steps", type=int, help="override the GRPO steps")
     parser.add_argument("--grpo-loss", choices=["no_baseline", "reinforce_with_baseline", "grpo_clip"])
+    parser.add_argument("--grpo-lr", type=float, help="override the GRPO learning rate")
     args = parser.parse_args(argv)
     scale = copy.deepcopy(SCALES[args.scale])
     if args.difficulty:
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         scale.sft.max_steps = args.sft_steps
     if args.grpo_steps:
         scale.grpo.n_grpo_steps = args.grpo_steps
+    if args.grpo_lr:
+        scale.grpo_optim.lr = args.grpo_lr
     if args.grpo_loss:
         scale.grpo.loss_type = args.grpo_loss
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
