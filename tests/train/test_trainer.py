@@ -205,3 +205,15 @@ def test_train_and_eval_commands(cfg, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == 2 * 4 * 16 and result["checkpoint"].endswith("step_000012")
     assert result["val_loss"] == pytest.approx(_losses(out, "eval", "val_loss")[-1][1], rel=1e-5)
+
+
+def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):
+    import time
+
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "run")
+    trainer.fit(deadline=time.monotonic())  # already past: one step, then wrap up
+    trainer.logger.close()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["event"], r["step"]) for r in records[1:]] == [("eval", 0), ("train", 1), ("eval", 1), ("end", 1)]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert (tmp_path / "run" / "loss.png").is_file()

@@ -12,9 +12,6 @@ from scratchlm.train.config import TrainConfig
 
 log = logging.getLogger("scratchlm.train")
 
-ENDOFTEXT = "<|endoftext|>"
-
-
 def write_samples(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path, device: torch.device) -> list[str]:
     """Sample `trainer.sample_tokens` tokens after each prompt; print them and save them.
 
@@ -34,29 +31,17 @@ def write_samples(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path, devic
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(tokenizer_dir)
-    eos_id = _special_id(tokenizer, ENDOFTEXT)
+    eos_id = tokenizer.eot_id
     prompts = list(tc.sample_prompts) or [""]
-    generator = torch.Generator(device=device).manual_seed(tc.seed)
-    texts = []
-    model.eval()
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt) if prompt else [eos_id if eos_id is not None else 0]
-        ids = ids[-(cfg.model.context_length - 1):]
-        out = generate(model, ids, max_new_tokens=min(tc.sample_tokens, cfg.model.context_length - len(ids)),
-                       temperature=tc.sample_temperature, top_p=tc.sample_top_p, eos_id=eos_id,
-                       generator=generator)
-        texts.append(prompt + tokenizer.decode(list(out)))
-    model.train()
+    # An empty prompt starts a fresh document, as after <|endoftext|> in the training stream.
+    start = [eos_id if eos_id is not None else 0]
+    rows = [(tokenizer.encode(p) if p else start)[-(cfg.model.context_length // 2):] for p in prompts]
+    budget = min(tc.sample_tokens, cfg.model.context_length - max(len(r) for r in rows))
+    outs = generate(model, rows, budget, temperature=tc.sample_temperature, top_p=tc.sample_top_p,
+                    eos_id=eos_id, seed=tc.seed)
+    texts = [prompt + tokenizer.decode([t for t in out if t != eos_id]) for prompt, out in zip(prompts, outs)]
     sep = "\n" + "-" * 72 + "\n"
     (run_dir / "samples.txt").write_text(sep.join(texts) + "\n", encoding="utf-8")
     print(f"samples ({run_dir / 'samples.txt'}):", file=sys.stdout)
     print(sep.join(texts), file=sys.stdout)
     return texts
-
-
-def _special_id(tokenizer, token: str) -> int | None:
-    try:
-        ids = tokenizer.encode(token)
-    except Exception:
-        return None
-    return ids[0] if len(ids) == 1 else None

@@ -38,7 +38,7 @@ from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.errors import UserError
 from scratchlm.model.functional import cross_entropy
 from scratchlm.optim import build_optimizer, learning_rate
-from scratchlm.optim.adamw import AdamW
+from scratchlm.optim.adamw import AdamW, param_groups
 from scratchlm.optim.clip import clip_grad_norm
 from scratchlm.train import checkpoint as ckpt
 from scratchlm.train.config import TrainConfig
@@ -138,15 +138,18 @@ class Trainer:
         oc = self.cfg.optim
         if self.engine is None:
             return build_optimizer(self.raw_model, oc)
-        return self.engine.build_optimizer(self.model, AdamW, lr=oc.lr, betas=(oc.beta1, oc.beta2),
+        groups = lambda plain: param_groups(plain, oc.weight_decay, decay_vectors=oc.decay_vectors)  # noqa: E731
+        return self.engine.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
                                            eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach)
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self, *, until: int | None = None) -> dict[str, Any]:
-        """Train up to `trainer.max_steps` (or stop early at step `until`, checkpointing there).
+    def fit(self, *, until: int | None = None, deadline: float | None = None) -> dict[str, Any]:
+        """Train up to `trainer.max_steps`; returns the last train and eval records.
 
-        Returns the last train and eval records.
+        `until` stops early at that step (checkpointing there, to resume later). `deadline`
+        (a `time.monotonic()` value) is a time budget: once past it the run checkpoints,
+        evaluates and finishes (plots, samples) at the step it reached.
         """
         tc = self.cfg.trainer
         stop = tc.max_steps if until is None else min(until, tc.max_steps)
@@ -156,21 +159,25 @@ class Trainer:
         elif self.step and self._eval_due(self.step) and not self._has_eval_record(self.step):
             last["eval"] = self._evaluate()  # the run stopped between its checkpoint and this eval
         bar = self._progress_bar(stop)
+        out_of_time = False
         try:
-            while self.step < stop:
+            while self.step < stop and not out_of_time:
                 self._train_step()
                 bar.update(1)
-                if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                out_of_time = deadline is not None and time.monotonic() > deadline and self.step < stop
+                if self.step % tc.log_interval == 0 or self.step == tc.max_steps or out_of_time:
                     last["train"] = self._log_train()
                     bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
-                at_end = self.step == stop
+                at_end = self.step == stop or out_of_time
                 if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
                     self.save_checkpoint()
-                if self._eval_due(self.step):
+                if self._eval_due(self.step) or (out_of_time and self.data.has_validation):
                     last["eval"] = self._evaluate()
         finally:
             bar.close()
-        if self.step == tc.max_steps and until is None:
+        if out_of_time:
+            log.info("time budget reached at step %d of %d", self.step, tc.max_steps)
+        if (self.step == tc.max_steps and until is None) or out_of_time:
             self._finish()
         return last
 
@@ -260,7 +267,8 @@ class Trainer:
     def _progress_bar(self, stop: int):
         from tqdm import tqdm
 
-        disable = not (self.is_main and self.cfg.trainer.progress)
+        # None lets tqdm show the bar on terminals only (logs of batch jobs stay clean).
+        disable = None if self.is_main and self.cfg.trainer.progress else True
         return tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=disable,
                     dynamic_ncols=True, leave=False)
 

@@ -1,0 +1,282 @@
+"""`scratchlm quickstart`: the whole pipeline, offline, on a CPU, in a few minutes.
+
+    corpus -> BPE tokenizer -> token files -> a small Transformer trained for a time budget
+           -> validation loss at the start and the end, loss/LR plots, samples
+
+The default corpus is on every machine that runs scratchlm and needs no download: the Python
+standard library's own sources (``*.py`` under ``sysconfig.get_paths()["stdlib"]``, tests and
+site-packages left out). Files are ordered by a hash of their relative path (deterministic and
+well mixed), one in ten goes to validation by the same hash, and documents are joined by
+``<|endoftext|>``. ``--data`` takes a UTF-8 text file instead, or the name of a dataset from
+`scratchlm.data.registry` already fetched with `scratchlm download`.
+
+The number of training steps comes from the time budget (``--minutes``): a few timed steps
+measure this machine, and the run is sized to fit (``--steps`` fixes it instead, which makes
+the run reproducible across machines). The output directory is a normal run directory
+(`scratchlm generate`, `scratchlm eval` and `scratchlm export` take it), with the corpus and
+token files under ``data/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from scratchlm.config import load_config, split_overrides
+from scratchlm.errors import UserError
+
+EOT = "<|endoftext|>"
+DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if steps remain
+MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def _hash(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+
+
+def stdlib_documents() -> Iterator[tuple[str, str]]:
+    """(relative path, source) of the standard library's modules, read lazily in hash order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if not _SKIP_DIRS.intersection(rel.split("/")):
+            paths.append((_hash(rel), rel, path))
+    for _, rel, path in sorted(paths):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            yield rel, text.replace(EOT, "")
+
+
+def split_documents(docs: Iterable[tuple[str, str]], max_bytes: int) -> tuple[str, str]:
+    """Train and validation text: one document in ten (by name hash) is held out.
+
+    Training text (separators included) stops at `max_bytes`, validation at a tenth of it;
+    documents that would overflow are skipped, and reading stops once both are nearly full.
+    """
+    parts: tuple[list[str], list[str]] = ([], [])
+    sizes = [0, 0]
+    budgets = (max_bytes, max_bytes // 10)
+    sep = len(EOT.encode("utf-8"))
+    for name, text in docs:
+        held_out = int(_hash(name) % 10 == 0)
+        size = len(text.encode("utf-8")) + (sep if parts[held_out] else 0)
+        if sizes[held_out] + size <= budgets[held_out] or not parts[held_out]:
+            parts[held_out].append(text)
+            sizes[held_out] += size
+        if all(sizes[i] >= 0.9 * budgets[i] for i in (0, 1)):
+            break
+    if not parts[0] or not parts[1]:
+        raise UserError("the corpus is too small to split into training and validation text")
+    return EOT.join(parts[0]), EOT.join(parts[1])
+
+
+def read_head(path: Path, max_bytes: int) -> str:
+    """The first `max_bytes` of a UTF-8 file, cut at a document or line boundary."""
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    text = data[:max_bytes].decode("utf-8", errors="ignore")
+    if len(data) > max_bytes:
+        cut = text.rfind(EOT)
+        cut = cut if cut > len(text) // 2 else text.rfind("\n")
+        text = text[:cut] if cut > 0 else text
+    return text
+
+
+def text_file_split(path: Path, max_bytes: int) -> tuple[str, str]:
+    """Train/validation text from one file: held-out documents by hash of their index, or
+    the last tenth when the file is not split into documents."""
+    text = read_head(path, max_bytes + max_bytes // 10)
+    docs = [d for d in text.split(EOT) if d.strip()]
+    if len(docs) >= 20:
+        return split_documents([(str(i), d) for i, d in enumerate(docs)], max_bytes)
+    cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1  # after a newline, or at 90% without one
+    cut = cut if cut > 0 else int(len(text) * 0.9)
+    return text[:cut], text[cut:]
+
+
+def dataset_split(name: str, data_dir: Path, max_bytes: int) -> tuple[str, str]:
+    """Train/validation text of a registry dataset already downloaded into `data_dir`."""
+    from scratchlm.data.registry import DATASETS, get_dataset
+
+    base = name.removesuffix("-train")
+    train_entry = DATASETS.get(f"{base}-train") or get_dataset(name)
+    train_path = data_dir / train_entry.local_name
+    if not train_path.is_file():
+        raise UserError(f"dataset {train_entry.name!r} is not in {data_dir}; run "
+                        f"`scratchlm download {train_entry.name}` first (or pass --data-dir)")
+    valid_entry = DATASETS.get(f"{base}-valid")
+    if valid_entry is not None and (data_dir / valid_entry.local_name).is_file():
+        return read_head(train_path, max_bytes), read_head(data_dir / valid_entry.local_name, max_bytes // 10)
+    return text_file_split(train_path, max_bytes)
+
+
+def build_corpus(data: str | None, data_dir: Path, max_bytes: int) -> tuple[str, str, str]:
+    """(description, train text, validation text) for `--data`."""
+    if data is None:
+        docs = stdlib_documents()
+        train, valid = split_documents(docs, max_bytes)
+        return f"the Python {sys.version.split()[0]} standard library sources", train, valid
+    path = Path(data)
+    if path.is_file():
+        train, valid = text_file_split(path, max_bytes)
+        return str(path), train, valid
+    from scratchlm.data.registry import DATASETS
+
+    if data in DATASETS or f"{data}-train" in DATASETS:
+        train, valid = dataset_split(data, data_dir, max_bytes)
+        return f"dataset {data}", train, valid
+    raise UserError(f"--data {data!r} is neither a text file nor a dataset name ({', '.join(DATASETS)})")
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Create `out`; a previous quickstart there is replaced, anything else is refused."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not (out / MARKER).is_file():
+            raise UserError(f"{out} exists and is not a quickstart run; choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("{}\n", encoding="utf-8")
+
+
+def measure_step_seconds(cfg: Any, steps: int = 3) -> float:
+    """Seconds per optimizer step of `cfg` on this machine (after one untimed warm-up step)."""
+    import torch
+
+    from scratchlm.model.functional import cross_entropy
+    from scratchlm.model.transformer import build_model
+    from scratchlm.optim import build_optimizer
+
+    state = torch.get_rng_state()
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.batch_size, cfg.model.context_length))
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        cross_entropy(model(x), x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    torch.set_rng_state(state)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def plan_steps(seconds_per_step: float, budget_s: float, cfg: Any, *, cap: int) -> int:
+    """Steps that fit the budget, counting evaluation passes (a forward is ~1/3 of a step)."""
+    eval_cost = 5 * cfg.trainer.eval_batches / 3  # five evaluations over the run
+    return max(20, min(cap, int(budget_s / seconds_per_step - eval_cost)))
+
+
+def quickstart_command(argv: list[str]) -> int:
+    """scratchlm quickstart [--data PATH|NAME] [--out runs/quickstart] [--minutes N]"""
+    parser = argparse.ArgumentParser(
+        prog="scratchlm quickstart",
+        description="Train a tokenizer and a small Transformer on CPU in a few minutes, offline. "
+                    "Extra --section.key=value options override the quickstart preset.")
+    parser.add_argument("--data", help="a UTF-8 text file or a downloaded dataset name "
+                                       "(default: the Python standard library sources)")
+    parser.add_argument("--data-dir", default="data", help="where `scratchlm download` put datasets")
+    parser.add_argument("--out", default="runs/quickstart", help="output run directory")
+    parser.add_argument("--minutes", type=float, default=2.5, help="training time budget")
+    parser.add_argument("--steps", type=int, help="train exactly this many steps (ignores --minutes)")
+    parser.add_argument("--corpus-mb", type=float, default=3.0, help="training text used, in MB")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size")
+    positional, overrides = split_overrides(argv)
+    args = parser.parse_args(positional)
+    if args.minutes <= 0 or args.corpus_mb <= 0 or (args.steps is not None and args.steps <= 0):
+        raise UserError("--minutes, --corpus-mb and --steps must be positive")
+    run_quickstart(args, overrides)
+    return 0
+
+
+def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    from scratchlm.tokenizer.encode_corpus import encode_corpus
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+    from scratchlm.train.config import TrainConfig
+    from scratchlm.train.trainer import Trainer
+
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    out = Path(args.out)
+    prepare_out_dir(out)
+    data = out / "data"
+    data.mkdir()
+
+    what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
+    (data / "train.txt").write_text(train_text, encoding="utf-8")
+    (data / "valid.txt").write_text(valid_text, encoding="utf-8")
+    print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "
+          f"{len(valid_text.encode()) / 1e6:.2f} MB validation")
+    timings["corpus_s"] = time.perf_counter() - t0
+
+    vocab, merges = train_bpe(data / "train.txt", args.vocab_size, [EOT])
+    tokenizer = Tokenizer(vocab, merges, [EOT])
+    tokenizer.save(out / "tokenizer")
+    timings["tokenizer_s"] = time.perf_counter() - t0 - sum(timings.values())
+    print(f"[2/4] tokenizer: {tokenizer.vocab_size} tokens (byte-level BPE) in {timings['tokenizer_s']:.1f} s")
+
+    stats = {}
+    for split in ("train", "valid"):
+        stats[split] = encode_corpus(data / f"{split}.txt", tokenizer, data / f"{split}.bin", progress=False)
+    timings["encode_s"] = time.perf_counter() - t0 - sum(timings.values())
+    print(f"[3/4] encoded: {stats['train']['num_tokens']:,} train and {stats['valid']['num_tokens']:,} "
+          f"validation tokens ({len(train_text.encode()) / stats['train']['num_tokens']:.2f} bytes/token) "
+          f"in {timings['encode_s']:.1f} s")
+
+    base = [f"--data.train_path={data / 'train.bin'}", f"--data.val_path={data / 'valid.bin'}",
+            f"--data.tokenizer_dir={out / 'tokenizer'}", f"--trainer.out_dir={out}",
+            f"--model.vocab_size={tokenizer.vocab_size}"]
+    cfg = load_config(TrainConfig, "quickstart", base + overrides)
+    if args.steps is not None:
+        steps = args.steps
+        plan = f"{steps} steps"
+    else:
+        per_step = measure_step_seconds(cfg)
+        steps = plan_steps(per_step, args.minutes * 60, cfg, cap=4 * cfg.trainer.max_steps)
+        plan = f"{steps} steps (~{steps * per_step / 60:.1f} min at {per_step:.2f} s/step)"
+    every = max(1, steps // 4)
+    cfg = load_config(TrainConfig, "quickstart", base + [
+        f"--trainer.max_steps={steps}", f"--trainer.eval_interval={every}",
+        f"--trainer.checkpoint_interval={every * 2}", f"--trainer.log_interval={max(1, steps // 20)}",
+        f"--optim.warmup_steps={max(1, min(cfg.optim.warmup_steps, steps // 10))}"] + overrides)
+    print(f"[4/4] training: {plan}, batch {cfg.trainer.batch_size} x {cfg.model.context_length} tokens")
+    start = time.perf_counter()
+    trainer = Trainer(cfg, out)
+    n_params = sum(p.numel() for p in trainer.raw_model.parameters())
+    # A machine that slows down mid-run (other jobs) stops at the budget plus a margin.
+    deadline = None if args.steps is not None else time.monotonic() + DEADLINE_MARGIN * args.minutes * 60
+    try:
+        trainer.fit(deadline=deadline)
+    finally:
+        trainer.logger.close()
+    timings["train_s"] = time.perf_counter() - start
+    timings["total_s"] = time.perf_counter() - t0
+
+    from scratchlm.train.metrics import read_metrics
+
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["event"] == "eval"]
+    result = {"corpus": what, "params": n_params, "steps": trainer.step, "planned_steps": steps, "initial_val_loss": evals[0]["val_loss"],
+              "final_val_loss": evals[-1]["val_loss"], "timings": timings, "vocab_size": tokenizer.vocab_size,
+              "train_tokens": stats["train"]["num_tokens"], "valid_tokens": stats["valid"]["num_tokens"]}
+    (out / MARKER).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"\nvalidation loss {result['initial_val_loss']:.3f} -> {result['final_val_loss']:.3f} "
+          f"({n_params / 1e6:.2f}M parameters, {trainer.step} steps) in {timings['total_s'] / 60:.1f} min total")
+    if result["final_val_loss"] >= result["initial_val_loss"]:
+        print("the validation loss did not fall: give it more --minutes or --steps")
+    print(f"run directory {out}: metrics.jsonl, loss.png, lr.png, samples.txt, checkpoints/")
+    print(f"next: scratchlm generate {out} --prompt 'def '   |   scratchlm eval {out} --data {data / 'valid.bin'}")
+    return result
