@@ -154,6 +154,7 @@ def test_load_trained_model_errors(tmp_path):
     with pytest.raises(UserError, match="no checkpoint"):
         ckpt.load_trained_model(tmp_path)
     model, opt = _trained()
+    del model.config  # a model built by hand, not by build_model, carries no config to store
     ckpt.save_checkpoint(model, opt, 1, tmp_path / "bare.pt")
     with pytest.raises(UserError, match="no model config"):
         ckpt.load_trained_model(tmp_path / "bare.pt")
