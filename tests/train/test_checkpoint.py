@@ -158,3 +158,10 @@ def test_load_trained_model_errors(tmp_path):
     ckpt.save_checkpoint(model, opt, 1, tmp_path / "bare.pt")
     with pytest.raises(UserError, match="no model config"):
         ckpt.load_trained_model(tmp_path / "bare.pt")
+
+
+def test_single_file_checkpoint_of_a_built_model_is_self_describing(tmp_path):
+    model, opt = _trained()
+    ckpt.save_checkpoint(model, opt, 2, tmp_path / "c.pt")  # build_model records the config
+    _, cfg, _ = ckpt.load_trained_model(tmp_path / "c.pt")
+    assert cfg == TINY
