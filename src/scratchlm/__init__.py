@@ -6,8 +6,7 @@ neither torch nor numpy; ``scratchlm.Tokenizer`` imports only the tokenizer.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from scratchlm.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -50,15 +49,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scratchlm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

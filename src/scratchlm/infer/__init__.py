@@ -7,8 +7,7 @@ then depend on import order; use `from scratchlm.infer.generate import generate`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from scratchlm.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "KVCache": "scratchlm.infer.kv_cache",
@@ -20,15 +19,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

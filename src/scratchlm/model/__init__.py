@@ -6,8 +6,7 @@ does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from scratchlm.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "softmax": "scratchlm.model.functional",
@@ -29,15 +28,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

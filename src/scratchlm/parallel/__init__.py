@@ -6,8 +6,7 @@ import torch.distributed.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from scratchlm.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "DDP": "scratchlm.parallel.ddp",
@@ -23,9 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scratchlm.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

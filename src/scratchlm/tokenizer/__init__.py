@@ -5,8 +5,7 @@ Pure Python on ``regex``; nothing here imports torch. Names are loaded on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from scratchlm.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "train_bpe": "scratchlm.tokenizer.train",
@@ -17,11 +16,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scratchlm.tokenizer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
