@@ -26,6 +26,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_l2_norm: float, eps: 
         norms = [torch.linalg.vector_norm(g) for g in grads]
     total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]))
     scale = torch.clamp(max_l2_norm / (total + eps), max=1.0)
-    for g in grads:
-        g.mul_(scale.to(device=g.device, dtype=g.dtype))
+    if all(g.device == device and g.dtype == torch.float32 for g in grads):
+        torch._foreach_mul_(grads, scale)  # one multi-tensor kernel, no host sync
+    else:
+        for g in grads:
+            g.mul_(scale.to(device=g.device, dtype=g.dtype))
     return total

@@ -94,6 +94,9 @@ class Trainer:
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
         self.raw_model = build_model(cfg.model, device=self.device)
         self.model = self._wrap_model(self.raw_model)
+        # Under trainer.compile the loss is compiled too: Inductor fuses the float32 upcast,
+        # log-sum-exp and target gather over the (tokens x vocab) logits into one pass each way.
+        self._loss_fn = torch.compile(cross_entropy) if tc.compile else cross_entropy
         self.optimizer = self._build_optimizer()
 
         self.step = 0
@@ -192,7 +195,7 @@ class Trainer:
             x, y = self.data.next_batch(self.device)
             with self._no_sync(micro < accum - 1), self._autocast():
                 logits = self.model(x)
-            loss = cross_entropy(logits, y) / accum
+            loss = self._loss_fn(logits, y) / accum
             loss.backward()
             step_loss += loss.detach()
         if self.engine is not None:
