@@ -83,7 +83,8 @@ def test_torch_compile_full_graph_cpu(use_function):
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 SHAPES = [(2, 3, 1, 64), (1, 2, 17, 64), (2, 2, 100, 64), (1, 4, 256, 64), (2, 2, 333, 128),
-          (1, 2, 1024, 128), (3, 130, 64), (1, 2, 77, 80), (1, 1, 1100, 64)]
+          (1, 2, 1024, 128), (3, 130, 64), (1, 2, 77, 80), (1, 1, 1100, 64),
+          (4, 16, 256, 32), (2, 3, 97, 32)]  # head dim 32: the 17M preset (d_model 512, 16 heads)
 
 
 @pytest.mark.gpu

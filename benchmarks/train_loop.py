@@ -1,0 +1,169 @@
+"""Steady-state training steps of `scratchlm train` against the torch.nn reference trainer.
+
+    python benchmarks/train_loop.py [--batch 32] [--steps 50] [--profile] [--json out.json]
+        [--variant NAME=--section.key=value,...]
+
+What is timed is the real thing on each side, on the same random token file:
+
+- scratchlm: `scratchlm.train.trainer.Trainer._train_step`, the step of `scratchlm train`
+  (batch from the memmap sampler, forward under bf16 autocast, loss, backward, clipping,
+  scratchlm's AdamW, scheduled lr), built from `configs/tinystories-17m.toml` plus overrides.
+- reference: the step of `benchmarks/reference_trainer.py` (nn.Linear / nn.RMSNorm / SDPA,
+  F.cross_entropy, clip_grad_norm_, fused torch.optim.AdamW, torch.compile), same shape.
+
+Steps run back to back (as in training) and the device is synchronised once per window of
+`--steps`; the figure is the median window. `--profile` prints each side's ten most expensive
+CUDA kernels over one window (torch.profiler), to see where a step's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_trainer import ReferenceLM  # noqa: E402
+
+BASE = ["--trainer.compile=true", "--model.attention_backend=flash_triton"]
+
+
+def _windows(step_fn, steps: int, windows: int) -> list[float]:
+    times = []
+    for _ in range(windows):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def _top_kernels(step_fn, steps: int, n: int = 10) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / steps / 1e3) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(t for _, t in rows)
+    return [("TOTAL device ms/step", total)] + rows[:n]
+
+
+def scratchlm_step(bin_path: str, batch: int, overrides: list[str], out_dir: str):
+    from scratchlm.config import load_config
+    from scratchlm.train.config import TrainConfig
+    from scratchlm.train.trainer import Trainer
+
+    cfg = load_config(TrainConfig, "tinystories-17m", [
+        f"--data.train_path={bin_path}", "--data.val_path=", "--data.tokenizer_dir=",
+        f"--trainer.batch_size={batch}", "--trainer.max_steps=100000", "--trainer.progress=false",
+        f"--trainer.out_dir={out_dir}", *BASE, *overrides])
+    trainer = Trainer(cfg, out_dir)
+    return trainer._train_step, cfg
+
+
+def reference_step(bin_path: str, batch: int, cfg):
+    m = cfg.model
+    model = ReferenceLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff,
+                        m.rope_theta).cuda()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    compiled = torch.compile(model)
+    tokens = np.memmap(bin_path, dtype=np.uint16, mode="r")
+    rng = np.random.default_rng(0)
+    T = m.context_length
+
+    def step():
+        starts = rng.integers(0, len(tokens) - T - 1, size=batch)
+        rows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int64)
+        t = torch.from_numpy(rows).pin_memory().to("cuda", non_blocking=True)
+        x, y = t[:, :-1], t[:, 1:]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = compiled(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=50, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=--k=v,--k=v: a scratchlm variant (default: one with no extra overrides)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 1
+    variants = {"scratchlm": []}
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        variants[name] = [o for o in rest.split(",") if o]
+    tmp = Path(tempfile.mkdtemp())
+    bin_path = str(tmp / "tokens.bin")
+    np.random.default_rng(0).integers(0, 10_000, size=20_000_000, dtype=np.uint16).tofile(bin_path)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch, "rows": []}
+    cfg = None
+    steps = {}
+    for name, overrides in variants.items():
+        step, cfg_v = scratchlm_step(bin_path, args.batch, overrides, str(tmp / f"run_{name}"))
+        cfg = cfg or cfg_v
+        steps[name] = step
+    steps["reference"] = reference_step(bin_path, args.batch, cfg)
+    tokens_per_step = args.batch * cfg.model.context_length
+    for name, step in steps.items():
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+        times = _windows(step, args.steps, args.windows)
+        med = float(np.median(times))
+        row = {"variant": name, "overrides": variants.get(name, []), "step_ms": med * 1e3,
+               "step_ms_all": [t * 1e3 for t in times], "tokens_per_s": tokens_per_step / med,
+               "warmup_s": warm_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if args.profile:
+            row["top_kernels_ms"] = _top_kernels(step, args.steps)
+        results["rows"].append(row)
+        print(f"{name:<28}{med * 1e3:8.2f} ms/step {tokens_per_step / med:12.0f} tok/s  (warm-up {warm_s:.1f} s)",
+              flush=True)
+        torch.cuda.reset_peak_memory_stats()
+    ref = next(r for r in results["rows"] if r["variant"] == "reference")
+    for r in results["rows"]:
+        r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    print("\nvariant                      tok/s      ratio vs reference")
+    for r in results["rows"]:
+        print(f"{r['variant']:<28}{r['tokens_per_s']:10.0f}   {r['ratio_vs_reference']:.3f}x")
+    if args.profile:
+        for r in results["rows"]:
+            print(f"\n== {r['variant']}: top CUDA kernels (ms per step)")
+            for k, t in r["top_kernels_ms"]:
+                print(f"  {t:8.3f}  {k[:110]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
