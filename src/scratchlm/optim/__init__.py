@@ -20,7 +20,7 @@ def build_optimizer(model: "torch.nn.Module", cfg: "OptimConfig") -> "AdamW":
 
     groups = param_groups(model, cfg.weight_decay, decay_vectors=cfg.decay_vectors)
     return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                 weight_decay=cfg.weight_decay, foreach=cfg.foreach)
+                 weight_decay=cfg.weight_decay, foreach=cfg.foreach, fused=cfg.fused)
 
 
 def learning_rate(cfg: "OptimConfig", step: int, max_steps: int) -> float:

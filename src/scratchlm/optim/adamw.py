@@ -10,10 +10,12 @@ For each parameter θ with gradient g at step t (counted from 1):
 This is the order and the placement of ε that `torch.optim.AdamW` uses, so the two agree to
 float rounding and their state dicts share a layout (`step`, `exp_avg`, `exp_avg_sq`).
 
-Two code paths compute the same update: `_step_single` is the readable per-parameter loop;
+Three code paths compute the same update: `_step_single` is the readable per-parameter loop;
 `_step_foreach` does it with `torch._foreach_*` multi-tensor ops (one kernel launch per op for
 a whole group instead of one per parameter), used by default when every parameter of a group
-lives on the same CUDA device, where launch overhead dominates small parameters.
+lives on the same CUDA device, where launch overhead dominates small parameters; `fused=True`
+runs `scratchlm.kernels.adamw_triton`, one Triton kernel per group that reads and writes each
+tensor once (float32 parameters on one CUDA device; other groups take the foreach path).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class AdamW(torch.optim.Optimizer):
     """AdamW: Adam with weight decay applied to the weights, not added to the gradient.
 
     `foreach=None` picks the multi-tensor path on CUDA and the per-parameter loop elsewhere;
-    pass True or False to force one.
+    pass True or False to force one. `fused=True` asks for the Triton kernel where a group
+    qualifies (see the module docstring); `fused=None` (the default) leaves it off.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         *,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"invalid learning rate {lr}: must be >= 0")
@@ -50,7 +54,8 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid eps {eps}: must be >= 0")
         if weight_decay < 0.0:
             raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach,
+                        fused=fused)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -73,6 +78,8 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
+            if group.get("fused") and _step_fused(group, params, self.state):
+                continue
             use_foreach = group["foreach"]
             if use_foreach is None:
                 use_foreach = _same_cuda_device(params)
@@ -106,6 +113,20 @@ def _step_single(group: dict[str, Any], params: list[torch.Tensor], states: dict
         bias_correction2_sqrt = math.sqrt(1.0 - beta2**t)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bias_correction1)
+
+
+def _step_fused(group: dict[str, Any], params: list[torch.Tensor], states: dict) -> bool:
+    """The update as one Triton kernel; False (nothing done) when the group does not qualify."""
+    from scratchlm.kernels.adamw_triton import fused_adamw_step, fused_adamw_supported
+
+    steps = {states[p]["step"] for p in params}
+    if len(steps) != 1 or not fused_adamw_supported(params):
+        return False
+    (beta1, beta2) = group["betas"]
+    fused_adamw_step(params, [states[p]["exp_avg"] for p in params], [states[p]["exp_avg_sq"] for p in params],
+                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], step=steps.pop())
+    return True
 
 
 def _step_foreach(group: dict[str, Any], params: list[torch.Tensor], states: dict) -> None:

@@ -21,6 +21,7 @@ class OptimConfig:
     decay_vectors: bool = False  # also decay 1-D parameters (RMSNorm gains); off as usual for LMs
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     foreach: bool | None = None  # multi-tensor AdamW path; None = on for CUDA, off elsewhere
+    fused: bool = True  # one Triton kernel per group on CUDA (float32 params); falls back to foreach
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:

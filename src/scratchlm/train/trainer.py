@@ -143,7 +143,8 @@ class Trainer:
             return build_optimizer(self.raw_model, oc)
         groups = lambda plain: param_groups(plain, oc.weight_decay, decay_vectors=oc.decay_vectors)  # noqa: E731
         return self.engine.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                                           eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach)
+                                           eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach,
+                                           fused=oc.fused)
 
     # ------------------------------------------------------------------ the loop
 
