@@ -191,10 +191,10 @@ def run_shape(key, warmup, steps):
     def ours(optimizer):
         def make(x, y):
             torch.manual_seed(0)
-            m = holder.get("ours") or _scratchlm_model(shape)
-            holder["ours"] = m
-            compiled = holder.get("ours_c") or torch.compile(m)
-            holder["ours_c"] = compiled
+            if "ours" not in holder:
+                holder["ours"] = _scratchlm_model(shape)
+                holder["ours_c"] = torch.compile(holder["ours"])
+            m, compiled = holder["ours"], holder["ours_c"]
             opt = (AdamW(m.parameters(), lr=1e-4, foreach=True) if optimizer == "scratchlm"
                    else torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))
             return _step_fn(compiled, opt, x, y, _plain_loss)

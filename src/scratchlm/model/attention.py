@@ -70,7 +70,9 @@ class MultiHeadSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
-        self._flash: Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None = None  # resolved on first use
+        # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
+        # is not reliably seen by the compiled code (the Triton module imports without triton).
+        self._flash = load_backend(backend)
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
@@ -120,9 +122,7 @@ class MultiHeadSelfAttention(nn.Module):
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
             out = scaled_dot_product_attention(q, k, v, mask)
-        elif self.backend != "math" and not (self.backend == "flash_triton" and not x.is_cuda):
-            if self._flash is None:
-                self._flash = load_backend(self.backend)
+        elif self._flash is not None and not (self.backend == "flash_triton" and not x.is_cuda):
             out = self._flash(q, k, v, True)
         else:
             out = scaled_dot_product_attention(q, k, v, causal_mask(T, device=x.device))
