@@ -61,6 +61,35 @@ def _top_kernels(step_fn, steps: int, n: int = 10) -> list[tuple[str, float]]:
     return [("TOTAL device ms/step", total)] + rows[:n]
 
 
+def _host_profile(step_fn, steps: int) -> dict:
+    """Per step: CUDA runtime calls by name (launches, copies, synchronisations) and the
+    Python functions with the most self time, to tell host-bound steps from device-bound ones."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    runtime = {e.key: e.count / steps for e in prof.key_averages()
+               if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudnn")}
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(steps):
+        step_fn()
+    pr.disable()
+    host_ms = (time.perf_counter() - t0) / steps * 1e3
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(18)
+    return {"runtime_calls_per_step": runtime, "host_ms_under_cprofile": host_ms, "python_top": text.getvalue()}
+
+
 def scratchlm_step(bin_path: str, batch: int, overrides: list[str], out_dir: str):
     from scratchlm.config import load_config
     from scratchlm.train.config import TrainConfig
@@ -74,7 +103,7 @@ def scratchlm_step(bin_path: str, batch: int, overrides: list[str], out_dir: str
     return trainer._train_step, cfg
 
 
-def reference_step(bin_path: str, batch: int, cfg):
+def reference_step(bin_path: str, batch: int, cfg, mode: str = "default"):
     m = cfg.model
     model = ReferenceLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff,
                         m.rope_theta).cuda()
@@ -82,12 +111,14 @@ def reference_step(bin_path: str, batch: int, cfg):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, mode=mode)
     tokens = np.memmap(bin_path, dtype=np.uint16, mode="r")
     rng = np.random.default_rng(0)
     T = m.context_length
 
     def step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         starts = rng.integers(0, len(tokens) - T - 1, size=batch)
         rows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int64)
         t = torch.from_numpy(rows).pin_memory().to("cuda", non_blocking=True)
@@ -112,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=--k=v,--k=v: a scratchlm variant (default: one with no extra overrides)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--reference-cudagraphs", action="store_true",
+                   help="also time the reference compiled with mode='reduce-overhead'")
+    p.add_argument("--host-profile", action="store_true", help="CUDA runtime calls and Python hot spots")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg or cfg_v
         steps[name] = step
     steps["reference"] = reference_step(bin_path, args.batch, cfg)
+    if args.reference_cudagraphs:
+        steps["reference (reduce-overhead)"] = reference_step(bin_path, args.batch, cfg, "reduce-overhead")
     tokens_per_step = args.batch * cfg.model.context_length
     for name, step in steps.items():
         t0 = time.perf_counter()
@@ -155,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             row["top_kernels_ms"] = _top_kernels(step, args.steps)
             for k, t in row["top_kernels_ms"]:
                 print(f"    {t:8.3f}  {k[:100]}", flush=True)
+        if args.host_profile:
+            row["host"] = _host_profile(step, 20)
+            calls = sorted(row["host"]["runtime_calls_per_step"].items(), key=lambda kv: -kv[1])
+            print("    runtime calls/step: " + ", ".join(f"{k} {v:.0f}" for k, v in calls[:12]), flush=True)
+            print(row["host"]["python_top"][-3500:], flush=True)
         torch.cuda.reset_peak_memory_stats()
     ref = next((r for r in results["rows"] if r["variant"] == "reference"), None)
     if ref is None:

@@ -10,6 +10,9 @@ from scratchlm.optim.config import OptimConfig
 from scratchlm.parallel.config import ParallelConfig
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainerConfig:
     out_dir: str = "runs/default"  # run directory (config, metrics, checkpoints, plots)
@@ -25,7 +28,8 @@ class TrainerConfig:
     seed: int = 0  # seeds python, numpy, torch and the data sampler
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16"
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model (and the loss)
+    compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)
@@ -51,6 +55,8 @@ class TrainerConfig:
                 f"trainer.batch_size ({self.batch_size}) must be divisible by "
                 f"trainer.grad_accum_steps ({self.grad_accum_steps})"
             )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ValueError(f"trainer.dtype must be 'auto', 'fp32' or 'bf16', got {self.dtype!r}")
 

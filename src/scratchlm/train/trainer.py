@@ -96,7 +96,9 @@ class Trainer:
         self.model = self._wrap_model(self.raw_model)
         # Under trainer.compile the loss is compiled too: Inductor fuses the float32 upcast,
         # log-sum-exp and target gather over the (tokens x vocab) logits into one pass each way.
-        self._loss_fn = torch.compile(cross_entropy) if tc.compile else cross_entropy
+        # "reduce-overhead" replays both as CUDA graphs: small models are bound by kernel launches.
+        self._loss_fn = torch.compile(cross_entropy, mode=tc.compile_mode) if tc.compile else cross_entropy
+        self._cudagraphs = tc.compile and tc.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.optimizer = self._build_optimizer()
 
         self.step = 0
@@ -132,7 +134,7 @@ class Trainer:
 
             apply_activation_checkpointing(model)
         if tc.compile:
-            model = torch.compile(model)
+            model = torch.compile(model, mode=tc.compile_mode)
         if self.engine is not None:
             model = self.engine.wrap_model(model)
         return model
@@ -193,6 +195,8 @@ class Trainer:
         accum = tc.grad_accum_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accum):
+            if self._cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()  # last micro-step's graph outputs may be reused
             x, y = self.data.next_batch(self.device)
             with self._no_sync(micro < accum - 1), self._autocast():
                 logits = self.model(x)
