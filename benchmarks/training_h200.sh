@@ -4,6 +4,8 @@
 #   Gutenberg books, 17M shape, 5000 steps x 32 x 256 = 40.96M tokens, then the four ablations.
 # Inputs (carried in the ignored folder .carry/gutenberg): train_00.txt.xz, valid.txt.xz and the
 # 10K BPE tokenizer trained on train_00 with `scratchlm train-bpe`. Results go to $OUT.
+# SCRATCHLM_OVERRIDES: extra `scratchlm train` overrides of the timed run (default: the fused
+# attention kernel and CUDA graphs); ABLATIONS=0 skips the four ablation runs.
 set -euo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -21,12 +23,19 @@ for name in train_00 valid; do
 done
 common=(--data.train_path="$W/train_00.bin" --data.val_path="$W/valid.bin" --data.tokenizer_dir="$C/tokenizer"
         --trainer.compile=true --trainer.checkpoint_interval=0 --trainer.sample_tokens=128)
+read -r -a tuned <<< "${SCRATCHLM_OVERRIDES---model.attention_backend=flash_triton --trainer.compile_mode=reduce-overhead}"
+common+=("${tuned[@]}")
 timeout 200 python3 -m scratchlm train configs/tinystories-17m.toml "${common[@]}" --trainer.out_dir="$W/runs/scratchlm" \
   > "$W/scratchlm.log" 2>&1 || echo "scratchlm run failed"
 grep -v '%|' "$W/scratchlm.log" | tail -n 12 || true
 timeout 200 python3 benchmarks/reference_trainer.py --train-bin "$W/train_00.bin" --val-bin "$W/valid.bin" \
   --out "$W/runs/reference" --compile --warmup 200 --log-interval 50 > "$W/reference.log" 2>&1 || echo "reference run failed"
 tail -n 4 "$W/reference.log"
+if [ "${ABLATIONS:-1}" = 0 ]; then
+  python3 benchmarks/training_report.py "$W/runs" --out "$OUT"
+  tar czf "$OUT/runs.tgz" --exclude=checkpoints -C "$W" runs $(cd "$W" && ls *.log)
+  exit 0
+fi
 # Ablations share the GPU (val loss is what they report; their tokens/s are not comparable).
 declare -A ablations=(
   [post_norm]="--model.norm_position=post"
