@@ -207,7 +207,7 @@ def test_moe_transformer_trains_with_aux_loss():
 
     from scratchlm.model.config import ModelConfig
     from scratchlm.model.functional import cross_entropy
-    from scratchlm.model.moe import moe_metrics, moe_options
+    from scratchlm.model.moe import moe_layers, moe_options, moe_record, moe_stats
     from scratchlm.model.transformer import TransformerLM
 
     shape = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48)
@@ -219,17 +219,24 @@ def test_moe_transformer_trains_with_aux_loss():
     assert model.layers[0].ffn.capacity_factor == 1.0 and model.layers[0].ffn.shared is not None
     x = torch.randint(0, 64, (2, 16))
     logits = model(x)
-    metrics = moe_metrics(model)
-    assert set(metrics) == {"moe_load_balance", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy",
-                            "moe_max_expert_fraction"}
-    assert all(isinstance(v, float) for v in metrics.values())
-    assert 0.25 <= metrics["moe_max_expert_fraction"] <= 1.0
+    stats = moe_stats(moe_layers(model))
+    assert stats.shape == (4 + 2 * 4,) and stats.dtype == torch.float32 and not stats.requires_grad
+    metrics = moe_record(stats.tolist(), num_experts=4)
+    assert set(metrics) == {"moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy",
+                            "moe_expert_util", "moe_max_expert_util"}
+    util = metrics["moe_expert_util"]
+    assert len(util) == 2 and all(len(row) == 4 and sum(row) == pytest.approx(1.0) for row in util)
+    assert 0.25 <= metrics["moe_max_expert_util"] <= 1.0
+    layer0 = model.layers[0].ffn.last_aux
+    assert metrics["moe_router_entropy"] == pytest.approx(
+        (layer0["router_entropy"] + model.layers[1].ffn.last_aux["router_entropy"]).item() / 2)
+    assert util[0] == pytest.approx(layer0["expert_fraction"].tolist())
     aux = moe_aux_loss(model, 0.01, 0.001)
     loss = cross_entropy(logits, torch.roll(x, -1, 1)) + aux
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert moe_metrics(torch.nn.Linear(2, 2)) == {}
+    assert moe_layers(torch.nn.Linear(2, 2)) == []
 
 
 @pytest.mark.gpu

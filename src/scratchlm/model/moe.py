@@ -248,39 +248,62 @@ def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]
     return out.view(shape), stats
 
 
-def moe_aux_loss(model: nn.Module, load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
+def moe_aux_loss(model: nn.Module | list[MoEFFN], load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
     """``Σ_layers (load_balance_coef · load_balance + z_loss_coef · z_loss)`` of the last forward.
 
-    None when the model has no MoE layer (so dense training adds nothing to its graph).
+    ``model`` is a module to search for MoE layers, or the list of them (``moe_layers``).
+    None when there is no MoE layer (so dense training adds nothing to its graph).
     """
+    layers = model if isinstance(model, list) else moe_layers(model)
     total = None
-    for module in model.modules():
-        if isinstance(module, MoEFFN) and module.last_aux:
+    for module in layers:
+        if module.last_aux:
             term = load_balance_coef * module.last_aux["load_balance"] + z_loss_coef * module.last_aux["z_loss"]
             total = term if total is None else total + term
     return total
 
 
-def moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Router statistics of the last forward, averaged over MoE layers, as plain floats for logging.
+def moe_layers(model: nn.Module) -> list[MoEFFN]:
+    """The MoE FFNs of ``model`` in module order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, MoEFFN)]
 
-    Keys: ``moe_load_balance``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_router_entropy``
-    and ``moe_max_expert_fraction`` (the busiest expert's share; 1/E is perfect balance).
-    Empty for a model without MoE layers.
+
+STAT_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy")
+
+
+def moe_stats(layers: list[MoEFFN]) -> Tensor:
+    """Router statistics of the last forward as one detached fp32 vector, without a host sync.
+
+    Layout: the four ``STAT_NAMES`` (load-balance loss, z-loss, dropped-assignment fraction,
+    router entropy in nats), each the mean over layers, then every layer's per-expert share of
+    the assignments (``num_layers · num_experts`` values, layer-major). Vectors of several
+    forwards average elementwise, so a training loop sums them on the device and reads one
+    tensor when it logs; ``moe_record`` turns it into named values.
     """
-    rows = [m.last_aux for m in model.modules() if isinstance(m, MoEFFN) and m.last_aux]
-    if not rows:
-        return {}
-    stacked = {
-        "moe_load_balance": torch.stack([r["load_balance"].detach() for r in rows]),
-        "moe_z_loss": torch.stack([r["z_loss"].detach() for r in rows]),
-        "moe_dropped_fraction": torch.stack([r["dropped_fraction"] for r in rows]),
-        "moe_router_entropy": torch.stack([r["router_entropy"] for r in rows]),
-        "moe_max_expert_fraction": torch.stack([r["expert_fraction"].max() for r in rows]),
-    }
-    # One transfer for all of them.
-    values = torch.stack([v.float().mean() for v in stacked.values()]).tolist()
-    return dict(zip(stacked, values))
+    rows = [m.last_aux for m in layers]
+    scalars = torch.stack([
+        torch.stack([r["load_balance"] for r in rows]).float().mean(),
+        torch.stack([r["z_loss"] for r in rows]).float().mean(),
+        torch.stack([r["dropped_fraction"] for r in rows]).float().mean(),
+        torch.stack([r["router_entropy"] for r in rows]).float().mean(),
+    ])
+    return torch.cat([scalars, *(r["expert_fraction"].float() for r in rows)]).detach()
+
+
+def moe_record(values: list[float], num_experts: int) -> dict[str, object]:
+    """Named metrics from a (possibly averaged) ``moe_stats`` vector read to the host.
+
+    ``moe_expert_util`` is per layer: a list of ``num_experts`` shares per MoE layer (each row
+    sums to 1; ``1 / num_experts`` everywhere is perfect balance), kept per layer because an
+    average over layers can hide layers that each favour a different expert.
+    ``moe_max_expert_util`` is the busiest expert's share over all layers.
+    """
+    record: dict[str, object] = dict(zip(STAT_NAMES, values[: len(STAT_NAMES)]))
+    util = values[len(STAT_NAMES):]
+    rows = [util[i: i + num_experts] for i in range(0, len(util), num_experts)]
+    record["moe_expert_util"] = rows
+    record["moe_max_expert_util"] = max(max(r) for r in rows)
+    return record
 
 
 def build_moe_ffn(
