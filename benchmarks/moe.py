@@ -16,8 +16,9 @@ dense FFN's (1.0 = as fast as the dense FFN of equal active FLOPs).
 concurrently on one GPU with ``trainer.compile``, each as its own process with a time budget
 (the trainer stops at the budget, evaluates and logs, so a slow variant still reports the
 validation loss at the tokens it reached). Sharing the GPU makes their tokens/s incomparable;
-``throughput`` measures each variant alone (a short run, eager by default: no compile wait) for that. ``report`` reads
-the run directories into ``moe_training.json`` and a markdown table.
+``throughput`` measures each variant alone (a short run, eager by default: no compile wait)
+for that. ``report`` reads the run directories into ``moe_results.json`` and
+``moe_results.md``.
 
 "Equal active compute": a token's FFN FLOPs are ``top_k · 3 · 2 · d_model · d_ff`` (plus the
 router's ``2 · d_model · E``), so 4 experts top-1 at the dense d_ff, 4 experts top-2 at d_ff/2
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--runs", required=True)
         s.add_argument("--config", default=str(ROOT / "configs" / "tinystories-17m.toml"))
         s.add_argument("--variants", help="comma-separated names of VARIANTS (default: all)")
-        s.add_argument("--extra", default="", help='more overrides for every run, one string: --extra="--a.b=1 --c.d=2"')
+        s.add_argument("--extra", default="",
+                       help='more overrides for every run, as one string: --extra="--a.b=1 --c.d=2"')
         s.add_argument("--compile", type=int, default=1 if name == "train" else 0, help="trainer.compile (1/0)")
         s.add_argument("--batch-size", type=int, default=32)
         s.add_argument("--context-length", type=int, default=256)

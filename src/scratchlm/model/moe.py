@@ -11,10 +11,11 @@ each expert's tokens are one contiguous block, and each block is one matrix mult
 - with a capacity factor, every expert takes at most ``C = ceil(capacity_factor · N · k / E)``
   assignments; blocks are padded to ``C`` and all experts run as one batched ``torch.bmm``
   of shape (E, C, ·). ``C`` depends only on the input shape, and dispatch and combine are
-  fixed-shape gathers, so this path never synchronises with the host. Assignments beyond an expert's capacity are dropped: they add nothing, and a token
-  whose every choice was dropped passes through the block by the residual connection alone.
-  First choices have priority over second choices, then earlier tokens over later ones
-  (the order of Switch Transformer / GShard).
+  fixed-shape gathers, so this path never synchronises with the host. Assignments beyond an
+  expert's capacity are dropped: they add nothing, and a token whose every choice was
+  dropped passes through the block by the residual connection alone. First choices have
+  priority over second choices, then earlier tokens over later ones (the order of Switch
+  Transformer / GShard).
 - dropless (``capacity_factor=None``): no assignment is dropped; the experts run one matmul
   each over their contiguous slice (no padding, so skewed routing costs no extra FLOPs; the
   slice sizes cost one host synchronisation per layer).
