@@ -9,7 +9,7 @@ import torch
 
 from scratchlm.errors import UserError
 from scratchlm.model.layers import SwiGLU
-from scratchlm.model.moe import MoEFFN, expert_capacity, moe_aux_loss, moe_reference
+from scratchlm.model.moe import MoEFFN, expert_capacity, grouped_mm_supported, moe_aux_loss, moe_reference
 
 D, F = 16, 24
 
@@ -207,7 +207,7 @@ def test_moe_transformer_trains_with_aux_loss():
 
     from scratchlm.model.config import ModelConfig
     from scratchlm.model.functional import cross_entropy
-    from scratchlm.model.moe import moe_metrics, moe_options
+    from scratchlm.model.moe import moe_layers, moe_options, moe_record, moe_stats
     from scratchlm.model.transformer import TransformerLM
 
     shape = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48)
@@ -219,17 +219,24 @@ def test_moe_transformer_trains_with_aux_loss():
     assert model.layers[0].ffn.capacity_factor == 1.0 and model.layers[0].ffn.shared is not None
     x = torch.randint(0, 64, (2, 16))
     logits = model(x)
-    metrics = moe_metrics(model)
-    assert set(metrics) == {"moe_load_balance", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy",
-                            "moe_max_expert_fraction"}
-    assert all(isinstance(v, float) for v in metrics.values())
-    assert 0.25 <= metrics["moe_max_expert_fraction"] <= 1.0
+    stats = moe_stats(moe_layers(model))
+    assert stats.shape == (4 + 2 * 4,) and stats.dtype == torch.float32 and not stats.requires_grad
+    metrics = moe_record(stats.tolist(), num_experts=4)
+    assert set(metrics) == {"moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy",
+                            "moe_expert_util", "moe_max_expert_util"}
+    util = metrics["moe_expert_util"]
+    assert len(util) == 2 and all(len(row) == 4 and sum(row) == pytest.approx(1.0) for row in util)
+    assert 0.25 <= metrics["moe_max_expert_util"] <= 1.0
+    layer0 = model.layers[0].ffn.last_aux
+    assert metrics["moe_router_entropy"] == pytest.approx(
+        (layer0["router_entropy"] + model.layers[1].ffn.last_aux["router_entropy"]).item() / 2)
+    assert util[0] == pytest.approx(layer0["expert_fraction"].tolist())
     aux = moe_aux_loss(model, 0.01, 0.001)
     loss = cross_entropy(logits, torch.roll(x, -1, 1)) + aux
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert moe_metrics(torch.nn.Linear(2, 2)) == {}
+    assert moe_layers(torch.nn.Linear(2, 2)) == []
 
 
 @pytest.mark.gpu
@@ -253,3 +260,74 @@ def test_cuda_matches_reference_and_runs_under_autocast(capacity_factor):
         ref, _ = moe_reference(moe32, x32)
     y.float().sum().backward()
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+GROUPED_CASES = [dict(), dict(top_k=1), dict(capacity_factor=0.5), dict(capacity_factor=1.25, num_shared_experts=1),
+                 dict(top_k=3, num_experts=6, capacity_factor=1.0, renormalize=False), dict(num_experts=8, top_k=2)]
+
+
+@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("kwargs", GROUPED_CASES, ids=[str(c) or "default" for c in GROUPED_CASES])
+def test_grouped_mm_path_matches_naive_forward_and_backward(kwargs):
+    """The torch._grouped_mm dispatch (fp32 on CPU here; bf16 on CUDA) against the per-expert loop."""
+    torch.manual_seed(0)
+    kwargs.setdefault("num_experts", 4)
+    kwargs.setdefault("top_k", 2)
+    moe = MoEFFN(D, F, gemm="grouped_mm", **kwargs)
+    with torch.no_grad():
+        moe.router.weight.mul_(4.0)
+    x = torch.randn(3, 37, D)  # 111 tokens: blocks of every size, none a multiple of 16
+    y1, g1, gx1 = _grads(moe, x, _grouped(moe))
+    dropped = moe.last_aux["dropped_fraction"].item()
+    y2, g2, gx2 = _grads(moe, x, _naive(moe))
+    _, aux2 = moe_reference(moe, x)
+    assert (dropped > 0) == (kwargs.get("capacity_factor", 9) < 1.1)
+    assert dropped == pytest.approx(aux2["dropped_fraction"].item())
+    torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx1, gx2, rtol=1e-5, atol=1e-5)
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
+def test_grouped_mm_path_under_bf16_autocast_on_cpu():
+    torch.manual_seed(0)
+    moe = MoEFFN(D, F, 4, 2, capacity_factor=1.0, gemm="grouped_mm")
+    x = torch.randn(2, 40, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+        ref, _ = moe_reference(moe, x)
+    y.float().sum().backward()
+    assert moe.w1.grad is not None and moe.w1.grad.dtype == torch.float32
+    torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_auto_gemm_uses_the_portable_path_on_cpu_and_bad_gemm_is_an_error(monkeypatch):
+    moe = MoEFFN(D, F, 4, 2)
+    called = []
+    monkeypatch.setattr(MoEFFN, "_grouped_experts", lambda *a: called.append(1))
+    moe(torch.randn(2, 5, D))
+    assert not called
+    with pytest.raises(UserError, match="gemm"):
+        MoEFFN(D, F, 4, 2, gemm="cutlass")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_cuda_bf16_autocast_takes_the_grouped_gemm_and_compiles(capacity_factor, monkeypatch):
+    torch.manual_seed(0)
+    moe = MoEFFN(64, 96, 8, 2, capacity_factor=capacity_factor, device="cuda")
+    calls = []
+    real = MoEFFN._grouped_experts
+    monkeypatch.setattr(MoEFFN, "_grouped_experts", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 200, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = moe(x)
+        ref, _ = moe_reference(moe, x)
+    assert calls
+    torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    compiled = torch.compile(moe)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yc = compiled(x)
+    yc.float().sum().backward()
+    torch.testing.assert_close(yc.float(), y.float(), rtol=3e-2, atol=3e-2)

@@ -117,3 +117,25 @@ def test_torchrun_two_ranks_equal_one_process(workdir, single, strategy):
             assert torch.equal(expected[name], got[name]), name
         else:  # the FSDP global-norm for clipping is summed in another order
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0)
+
+
+MOE = ["--model.ffn=moe", "--model.moe_num_experts=4", "--model.moe_top_k=2", "--model.moe_capacity_factor=1.0",
+       "--model.moe_aux_coef=0.1", "--model.moe_z_coef=0.01"]
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_equal_one_process_with_moe(workdir):
+    """Experts replicated under DDP: each rank adds its micro-batch's aux losses, as one process
+    adds each accumulated micro-batch's, and the router statistics are averaged over ranks."""
+    single = _train(workdir, "single_moe", [sys.executable], ["--trainer.grad_accum_steps=2", *MOE])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                f"--master_port={find_free_port()}"]
+    multi = _train(workdir, "ddp_moe", torchrun, ["--parallel.strategy=ddp", "--parallel.backend=gloo", *MOE])
+    np.testing.assert_allclose(_train_losses(multi), _train_losses(single), rtol=1e-6)
+    expected, got = _final_weights(single), _final_weights(multi)
+    assert any(".ffn.w1" in name for name in expected)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    records = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("event") == "train"]
+    assert len(train) == 4 and all(len(r["moe_expert_util"]) == 2 and "moe_aux_loss" in r for r in train)

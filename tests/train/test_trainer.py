@@ -1,3 +1,4 @@
+import math
 import json
 from dataclasses import replace
 
@@ -217,3 +218,137 @@ def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):
     assert [(r["event"], r["step"]) for r in records[1:]] == [("eval", 0), ("train", 1), ("eval", 1), ("end", 1)]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert (tmp_path / "run" / "loss.png").is_file()
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+def _moe(cfg, **trainer):
+    """cfg with a 4-expert top-2 MoE FFN whose capacity drops some assignments."""
+    model = replace(cfg.model, ffn="moe", moe_num_experts=4, moe_top_k=2, moe_capacity_factor=1.0,
+                    moe_aux_coef=0.5, moe_z_coef=0.25)  # large, so a missing term shows in the gradients
+    return replace(cfg, model=model, trainer=replace(cfg.trainer, **trainer))
+
+
+def _first_step_grads(cfg, tmp_path, monkeypatch, name):
+    """(gradients of the first update, the trainer) with clipping off."""
+    cfg = replace(_with_out(cfg, tmp_path / name), optim=replace(cfg.optim, grad_clip=0.0))
+    trainer = trainer_mod.Trainer(cfg, tmp_path / name)
+    grads = {}
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.raw_model.named_parameters()})
+
+    monkeypatch.setattr(trainer.optimizer, "step", capture)
+    trainer.fit(until=1)
+    trainer.logger.close()
+    return grads, trainer
+
+
+def _reference_grads(cfg):
+    """Gradients of cross-entropy + coefficient-weighted aux losses, summed over micro-batches / accum."""
+    from scratchlm.model.moe import moe_aux_loss
+    from scratchlm.model.transformer import build_model
+    from scratchlm.train.trainer import seed_everything
+
+    tc, mc = cfg.trainer, cfg.model
+    seed_everything(tc.seed, tc.deterministic)
+    data = TrainData(cfg.data, mc, batch_size=tc.batch_size // tc.grad_accum_steps, seed=tc.seed)
+    model = build_model(mc)
+    for _ in range(tc.grad_accum_steps):
+        x, y = data.next_batch(torch.device("cpu"))
+        logits = model(x)
+        from scratchlm.model.functional import cross_entropy
+
+        loss = cross_entropy(logits, y) + moe_aux_loss(model, mc.moe_aux_coef, mc.moe_z_coef)
+        (loss / tc.grad_accum_steps).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("options", [dict(), dict(grad_accum_steps=2), dict(activation_checkpointing=True)],
+                         ids=["plain", "accum", "checkpointing"])
+def test_moe_training_backpropagates_the_aux_losses_once(cfg, tmp_path, monkeypatch, options):
+    cfg = _moe(cfg, eval_at_start=False, **options)
+    grads, _ = _first_step_grads(cfg, tmp_path, monkeypatch, "run")
+    expected = _reference_grads(cfg)
+    assert grads.keys() == expected.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Without the aux terms the router gradients differ: the comparison above can fail.
+    no_aux = replace(cfg, model=replace(cfg.model, moe_aux_coef=0.0, moe_z_coef=0.0))
+    plain, _ = _first_step_grads(no_aux, tmp_path, monkeypatch, "no_aux")
+    router = "layers.0.ffn.router.weight"
+    assert not torch.allclose(plain[router], expected[router], rtol=1e-3, atol=1e-6)
+
+
+def test_moe_training_logs_router_stats(cfg, tmp_path, capsys):
+    cfg = _moe(cfg, log_interval=3)
+    run_training(cfg)
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in records] == [3, 6, 9, 12]
+    for r in records:
+        assert r["moe_aux_loss"] >= 1.0 - 1e-6  # E·Σ f·P is at least 1 (equality: uniform routing)
+        assert r["moe_z_loss"] > 0 and 0 < r["moe_router_entropy"] <= math.log(4) + 1e-6
+        assert 0 < r["moe_dropped_fraction"] < 1  # capacity factor 1 with uneven routing drops some
+        util = r["moe_expert_util"]
+        assert len(util) == 2 and all(len(row) == 4 and sum(row) == pytest.approx(1.0) for row in util)
+        assert r["moe_max_expert_util"] == max(max(row) for row in util)
+    out = capsys.readouterr().out
+    assert "| aux " in out and "| drop " in out and "| util " in out
+
+
+def test_moe_logged_loss_is_the_cross_entropy(cfg, tmp_path):
+    cfg = _moe(cfg, max_steps=1, eval_at_start=False)
+    run_training(cfg)
+    no_aux = replace(cfg, model=replace(cfg.model, moe_aux_coef=0.0, moe_z_coef=0.0))
+    run_training(_with_out(no_aux, tmp_path / "no_aux"))
+    # Same weights and batch at step 1: the cross-entropy is the same whatever the coefficients.
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "no_aux")
+
+
+def test_moe_interrupted_and_resumed_run_logs_the_same_bitwise(cfg, tmp_path, monkeypatch):
+    cfg = _moe(cfg, log_interval=3)  # the log window straddles the checkpoints at 4 and 8
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_training(_with_out(cfg, straight))
+    calls = {"n": 0}
+    real_next = TrainData.next_batch
+
+    def crash_at_step_7(self, device):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("node lost")
+        return real_next(self, device)
+
+    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="node lost"):
+        run_training(_with_out(cfg, broken))
+    monkeypatch.setattr(TrainData, "next_batch", real_next)
+    run_training(_with_out(cfg, broken), resume=True)
+
+    def train_records(run):
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_gb", "mfu")}
+                for r in read_metrics(run / "metrics.jsonl") if r["event"] == "train"]
+
+    assert train_records(broken) == train_records(straight)  # router stats included
+    assert _losses(broken, "eval", "val_loss") == _losses(straight, "eval", "val_loss")
+    a, b = _weights(straight), _weights(broken)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moe_training_under_torch_compile(cfg, tmp_path, monkeypatch):
+    """last_aux set inside a compiled forward holds the compiled graph's real outputs.
+
+    aot_eager runs Dynamo's capture (where module attribute writes become side effects) and
+    AOTAutograd's joint graph, as Inductor would, without a C++ build per test; CUDA runs use
+    Inductor.
+    """
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", **kw))
+    cfg = _moe(cfg, eval_at_start=False, compile=True)
+    compiled, trainer = _first_step_grads(cfg, tmp_path, monkeypatch, "compiled")
+    assert trainer.model is not trainer.raw_model  # it did compile
+    aux = trainer.raw_model.layers[0].ffn.last_aux
+    assert aux["load_balance"].grad_fn is not None
+    expected = _reference_grads(cfg)
+    for name in expected:
+        torch.testing.assert_close(compiled[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)

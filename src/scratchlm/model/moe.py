@@ -11,13 +11,20 @@ each expert's tokens are one contiguous block, and each block is one matrix mult
 - with a capacity factor, every expert takes at most ``C = ceil(capacity_factor · N · k / E)``
   assignments; blocks are padded to ``C`` and all experts run as one batched ``torch.bmm``
   of shape (E, C, ·). ``C`` depends only on the input shape, and dispatch and combine are
-  fixed-shape gathers, so this path never synchronises with the host. Assignments beyond an expert's capacity are dropped: they add nothing, and a token
-  whose every choice was dropped passes through the block by the residual connection alone.
-  First choices have priority over second choices, then earlier tokens over later ones
-  (the order of Switch Transformer / GShard).
+  fixed-shape gathers, so this path never synchronises with the host. Assignments beyond an
+  expert's capacity are dropped: they add nothing, and a token whose every choice was
+  dropped passes through the block by the residual connection alone. First choices have
+  priority over second choices, then earlier tokens over later ones (the order of Switch
+  Transformer / GShard).
 - dropless (``capacity_factor=None``): no assignment is dropped; the experts run one matmul
   each over their contiguous slice (no padding, so skewed routing costs no extra FLOPs; the
   slice sizes cost one host synchronisation per layer).
+- grouped GEMM (``gemm="grouped_mm"``; by default on CUDA whenever the experts compute in
+  bf16, as under autocast): both modes become two ``torch._grouped_mm`` calls (w1 and w3 as one
+  stacked matrix, then w2) over the expert blocks laid end to end, each block padded to a
+  multiple of 16 rows (the kernel's alignment) and cut to its capacity when there is one. The
+  block offsets stay on the device, so neither mode synchronises with the host, and capacity
+  costs only the FLOPs of the kept assignments, not ``E · C`` rows.
 
 Both paths use gathers only (no scatter-add in the forward), so results do not depend on
 atomics' order.
@@ -101,6 +108,15 @@ def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor
     }
 
 
+GROUP_ALIGN = 16  # rows; each expert's block in the grouped GEMM starts at a multiple of this
+GEMMS = ("auto", "grouped_mm", "portable")
+
+
+def grouped_mm_supported() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (PyTorch 2.8 and later)."""
+    return hasattr(torch, "_grouped_mm")
+
+
 def _swiglu_bmm(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     """Batched SwiGLU: x (E, C, D), w1/w3 (E, F, D), w2 (E, D, F) -> (E, C, D)."""
     h = silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))
@@ -125,11 +141,17 @@ class MoEFFN(nn.Module):
         renormalize: bool = True,
         num_shared_experts: int = 0,
         capacity_factor: float | None = None,
+        gemm: str = "auto",
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         _check(num_experts, top_k, capacity_factor, num_shared_experts)
+        if gemm not in GEMMS:
+            raise UserError(f"moe: gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+        # "auto": the grouped GEMM on CUDA when the experts compute in bf16, else the portable
+        # matmul/bmm path; "grouped_mm" forces the grouped GEMM (fp32 too; CPU included).
+        self.gemm = gemm
         self.d_model = d_model
         self.d_ff = d_ff
         self.num_experts = num_experts
@@ -175,11 +197,13 @@ class MoEFFN(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(A, device=x.device)  # assignment -> sorted position
         counts = count_per_expert(flat_expert, E)  # (E,)
-        xs = x2[flat_token[order]]  # (A, D), grouped by expert
 
         # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
         # experts' (bf16 under autocast), not necessarily x's.
-        if self.capacity_factor is None:
+        if self._use_grouped_mm(x2, logits.dtype):
+            ys, dropped = self._grouped_experts(x2, flat_expert, flat_token, order, counts, logits.dtype)
+        elif self.capacity_factor is None:
+            xs = x2[flat_token[order]]  # (A, D), grouped by expert
             dropped = torch.zeros((), device=x.device, dtype=torch.long)
             # unbind, not w[e]: indexing would give each expert's backward a zero-filled full
             # (E, ·, ·) gradient to add up; unbind's backward is one stack.
@@ -191,6 +215,7 @@ class MoEFFN(nn.Module):
             ys = torch.cat(pieces)
         else:
             # Everything below is gathers of fixed shape: no host sync, no scatter.
+            xs = x2[flat_token[order]]  # (A, D), grouped by expert
             C = expert_capacity(N, E, k, self.capacity_factor)
             starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
             c = torch.arange(C, device=x.device)
@@ -213,6 +238,55 @@ class MoEFFN(nn.Module):
             out = out + self.shared(x2)
         self.last_aux = router_stats(logits, probs, experts, dropped)
         return out.view(shape)
+
+    def _use_grouped_mm(self, x2: Tensor, compute_dtype: torch.dtype) -> bool:
+        if self.gemm == "grouped_mm":
+            return True
+        # The router's logits have the dtype the experts' matmuls will have (bf16 under autocast).
+        return (self.gemm == "auto" and x2.is_cuda and compute_dtype == torch.bfloat16 and grouped_mm_supported()
+                and self.d_model % 8 == 0 and self.d_ff % 8 == 0)  # 16-byte row strides
+
+    def _grouped_experts(self, x2: Tensor, flat_expert: Tensor, flat_token: Tensor, order: Tensor, counts: Tensor,
+                         dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Expert outputs per sorted assignment through two grouped GEMMs: ((A, D), dropped count).
+
+        Sorted assignment i of expert e goes to row ``block_start[e] + (i - start[e])`` of a
+        buffer of ``P`` rows (a bound of static size, so shapes never depend on the routing);
+        the last block runs to the end of the buffer, so every row belongs to a block and
+        padding rows are zeros whose outputs are zeros.
+        """
+        N, D, E = x2.shape[0], self.d_model, self.num_experts
+        A = flat_expert.numel()
+        kept = counts if self.capacity_factor is None else counts.clamp(
+            max=expert_capacity(N, E, self.top_k, self.capacity_factor))
+        starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
+        blocks = (kept + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        ends = torch.cumsum(blocks, 0)
+        block_starts = ends - blocks
+        P = (A + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN + E * GROUP_ALIGN
+        offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)  # (E,) block ends
+
+        # Gather: buffer row -> (expert, place in block) -> sorted assignment -> token.
+        row = torch.arange(P, device=x2.device)
+        row_expert = torch.searchsorted(ends, row, right=True).clamp(max=E - 1)
+        place = row - block_starts[row_expert]
+        filled = place < kept[row_expert]
+        source = (starts[row_expert] + place).clamp(max=A - 1)
+        token = flat_token[order][source]
+        buf = torch.where(filled[:, None], x2[token].to(dtype), x2.new_zeros((), dtype=dtype))  # (P, D)
+
+        w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
+        h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=offs)  # (P, 2F)
+        h1, h3 = h.split(self.d_ff, dim=-1)
+        y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=offs)  # (P, D)
+
+        # Back: sorted assignment -> buffer row, or the extra zero row when dropped.
+        sorted_expert = flat_expert[order]
+        slot = torch.arange(A, device=x2.device) - starts[sorted_expert]
+        keep = slot < kept[sorted_expert]
+        rows = torch.where(keep, block_starts[sorted_expert] + slot, P)
+        ys = torch.cat([y, y.new_zeros(1, D)])[rows]
+        return ys, (~keep).sum()
 
 
 def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -248,39 +322,62 @@ def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]
     return out.view(shape), stats
 
 
-def moe_aux_loss(model: nn.Module, load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
+def moe_aux_loss(model: nn.Module | list[MoEFFN], load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
     """``Σ_layers (load_balance_coef · load_balance + z_loss_coef · z_loss)`` of the last forward.
 
-    None when the model has no MoE layer (so dense training adds nothing to its graph).
+    ``model`` is a module to search for MoE layers, or the list of them (``moe_layers``).
+    None when there is no MoE layer (so dense training adds nothing to its graph).
     """
+    layers = model if isinstance(model, list) else moe_layers(model)
     total = None
-    for module in model.modules():
-        if isinstance(module, MoEFFN) and module.last_aux:
+    for module in layers:
+        if module.last_aux:
             term = load_balance_coef * module.last_aux["load_balance"] + z_loss_coef * module.last_aux["z_loss"]
             total = term if total is None else total + term
     return total
 
 
-def moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Router statistics of the last forward, averaged over MoE layers, as plain floats for logging.
+def moe_layers(model: nn.Module) -> list[MoEFFN]:
+    """The MoE FFNs of ``model`` in module order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, MoEFFN)]
 
-    Keys: ``moe_load_balance``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_router_entropy``
-    and ``moe_max_expert_fraction`` (the busiest expert's share; 1/E is perfect balance).
-    Empty for a model without MoE layers.
+
+STAT_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_router_entropy")
+
+
+def moe_stats(layers: list[MoEFFN]) -> Tensor:
+    """Router statistics of the last forward as one detached fp32 vector, without a host sync.
+
+    Layout: the four ``STAT_NAMES`` (load-balance loss, z-loss, dropped-assignment fraction,
+    router entropy in nats), each the mean over layers, then every layer's per-expert share of
+    the assignments (``num_layers · num_experts`` values, layer-major). Vectors of several
+    forwards average elementwise, so a training loop sums them on the device and reads one
+    tensor when it logs; ``moe_record`` turns it into named values.
     """
-    rows = [m.last_aux for m in model.modules() if isinstance(m, MoEFFN) and m.last_aux]
-    if not rows:
-        return {}
-    stacked = {
-        "moe_load_balance": torch.stack([r["load_balance"].detach() for r in rows]),
-        "moe_z_loss": torch.stack([r["z_loss"].detach() for r in rows]),
-        "moe_dropped_fraction": torch.stack([r["dropped_fraction"] for r in rows]),
-        "moe_router_entropy": torch.stack([r["router_entropy"] for r in rows]),
-        "moe_max_expert_fraction": torch.stack([r["expert_fraction"].max() for r in rows]),
-    }
-    # One transfer for all of them.
-    values = torch.stack([v.float().mean() for v in stacked.values()]).tolist()
-    return dict(zip(stacked, values))
+    rows = [m.last_aux for m in layers]
+    scalars = torch.stack([
+        torch.stack([r["load_balance"] for r in rows]).float().mean(),
+        torch.stack([r["z_loss"] for r in rows]).float().mean(),
+        torch.stack([r["dropped_fraction"] for r in rows]).float().mean(),
+        torch.stack([r["router_entropy"] for r in rows]).float().mean(),
+    ])
+    return torch.cat([scalars, *(r["expert_fraction"].float() for r in rows)]).detach()
+
+
+def moe_record(values: list[float], num_experts: int) -> dict[str, object]:
+    """Named metrics from a (possibly averaged) ``moe_stats`` vector read to the host.
+
+    ``moe_expert_util`` is per layer: a list of ``num_experts`` shares per MoE layer (each row
+    sums to 1; ``1 / num_experts`` everywhere is perfect balance), kept per layer because an
+    average over layers can hide layers that each favour a different expert.
+    ``moe_max_expert_util`` is the busiest expert's share over all layers.
+    """
+    record: dict[str, object] = dict(zip(STAT_NAMES, values[: len(STAT_NAMES)]))
+    util = values[len(STAT_NAMES):]
+    rows = [util[i: i + num_experts] for i in range(0, len(util), num_experts)]
+    record["moe_expert_util"] = rows
+    record["moe_max_expert_util"] = max(max(r) for r in rows)
+    return record
 
 
 def build_moe_ffn(

@@ -280,6 +280,12 @@ class ParallelEngine:
         dist.all_reduce(t)
         return (t / self.world_size).item()
 
+    def all_reduce_means(self, values: list[float]) -> list[float]:
+        """The mean over ranks of each of `values`, in one collective."""
+        t = torch.tensor(values, dtype=torch.float64 if self.backend == "gloo" else torch.float32, device=self.device)
+        dist.all_reduce(t)
+        return (t / self.world_size).tolist()
+
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         if self.backend == "nccl":

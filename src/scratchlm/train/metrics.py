@@ -99,11 +99,19 @@ def format_line(record: dict[str, Any]) -> str:
     if record["event"] == "eval":
         return f"step {record['step']:>6} | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
     mfu = record.get("mfu")
-    return (
+    line = (
         f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {record['memory_gb']:.2f} GB"
     )
+    if "moe_aux_loss" in record:
+        # Expert use as percentages, one group per layer: "util 27/24/25/24 30/20/25/25".
+        util = " ".join("/".join(f"{100 * u:.0f}" for u in row) for row in record["moe_expert_util"])
+        line += (
+            f" | aux {record['moe_aux_loss']:.3f} | z {record['moe_z_loss']:.3g} | "
+            f"drop {100 * record['moe_dropped_fraction']:.1f}% | H {record['moe_router_entropy']:.2f} | util {util}"
+        )
+    return line
 
 
 def perplexity(loss: float) -> float:

@@ -13,6 +13,18 @@ same losses as an uninterrupted one (tests/train/test_trainer.py checks this).
 Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
 never costs the newest checkpoint.
 
+Mixture-of-experts models (``model.ffn="moe"``): each micro-batch backpropagates
+``cross_entropy + moe_aux_coef · Σ_layers load_balance + moe_z_coef · Σ_layers z_loss`` (scaled
+by 1/accum like the rest), read from the MoE layers' ``last_aux`` right after the forward and
+before the backward, so the recomputation of activation checkpointing (which runs the forward
+again inside the backward) never adds them twice; under ``torch.compile`` ``last_aux`` is set
+by the compiled forward and holds its real output tensors. ``loss`` in the log stays the
+cross-entropy alone; ``moe_aux_loss`` and ``moe_z_loss`` are the unweighted losses averaged over
+layers (1.0 is perfectly uniform routing for the first), with the dropped-assignment fraction,
+router entropy and per-layer expert utilisation (`scratchlm.model.moe.moe_record`), all averaged
+over the micro-batches of the log window. The router statistics are summed on the device and
+read once per log interval, like the loss.
+
 Parallel runs (``parallel.strategy != "none"``) go through the engine of
 `scratchlm.parallel.engine`: rank 0 logs and writes checkpoints; each rank draws its disjoint
 slice of the same global batch, so the global batch is `trainer.batch_size` whatever the
@@ -37,6 +49,7 @@ import torch
 from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.errors import UserError
 from scratchlm.model.functional import cross_entropy
+from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
 from scratchlm.optim import build_optimizer, learning_rate
 from scratchlm.optim.adamw import AdamW, param_groups
 from scratchlm.optim.clip import clip_grad_norm
@@ -105,6 +118,10 @@ class Trainer:
         self._last_plot = time.monotonic()
         self._window_loss = torch.zeros((), device=self.device)
         self._window_steps = 0
+        self._moe_layers = moe_layers(self.raw_model)
+        # Running sum of the router statistics of the window (see scratchlm.model.moe.moe_stats).
+        self._moe_window = (torch.zeros(4 + len(self._moe_layers) * cfg.model.moe_num_experts, device=self.device)
+                            if self._moe_layers else None)
         self.config_text = config_to_toml(cfg)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,8 +218,12 @@ class Trainer:
             with self._no_sync(micro < accum - 1), self._autocast():
                 logits = self.model(x)
             loss = self._loss_fn(logits, y) / accum
-            loss.backward()
             step_loss += loss.detach()
+            if self._moe_layers:
+                mc = self.cfg.model
+                loss = loss + moe_aux_loss(self._moe_layers, mc.moe_aux_coef, mc.moe_z_coef) / accum
+                self._moe_window += moe_stats(self._moe_layers) / accum
+            loss.backward()
         if self.engine is not None:
             self.engine.sync_gradients(self.model)
         max_norm = oc.grad_clip if oc.grad_clip > 0 else math.inf
@@ -229,11 +250,18 @@ class Trainer:
         loss = (self._window_loss / self._window_steps).item()
         if self.engine is not None:
             loss = self.engine.all_reduce_mean(loss)
+        moe: dict[str, Any] = {}
+        if self._moe_window is not None:
+            values = (self._moe_window / self._window_steps).tolist()
+            if self.engine is not None:
+                values = self.engine.all_reduce_means(values)
+            moe = moe_record(values, self.cfg.model.moe_num_experts)
+            self._moe_window.zero_()
         if not math.isfinite(loss):
             raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
         record = {"event": "train", "step": self.step, "loss": loss, "lr": self._lr,
                   "grad_norm": float(self._grad_norm), **self.throughput.measure(self.device),
-                  "memory_gb": memory_gb(self.device)}
+                  "memory_gb": memory_gb(self.device), **moe}
         self._window_loss.zero_()
         self._window_steps = 0
         self._emit(record)
@@ -307,7 +335,8 @@ class Trainer:
         optim_state = engine.optimizer_state_dict(self.optimizer) if engine else self.optimizer.state_dict()
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
                  "sampler": self.data.state_dict(),
-                 "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps}}
+                 "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps,
+                          "moe_window": None if self._moe_window is None else self._moe_window.tolist()}}
         if self.is_main:
             staging = ckpt.staging_dir(self.run_dir, self.step)
         self._barrier()
@@ -357,6 +386,8 @@ class Trainer:
         self.step = int(state["step"])
         self._window_loss.fill_(state["loop"]["window_loss"])
         self._window_steps = int(state["loop"]["window_steps"])
+        if self._moe_window is not None and state["loop"].get("moe_window") is not None:
+            self._moe_window.copy_(torch.tensor(state["loop"]["moe_window"]))
         if self.is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
             log.info("resumed %s at step %d", self.run_dir, self.step)
