@@ -10,7 +10,8 @@
 # Inputs (environment): TRAIN_BIN, VAL_BIN (encoded token files), TOKENIZER_DIR, OUT.
 # Knobs, defaults for the H200: CONFIG, TOKENS (40960000), BATCH_SIZE (32), CONTEXT (256),
 # EXTRA (overrides for every training run), LAYER_ARGS, LAYER_COMPILE (1), TRAIN_COMPILE (1),
-# THROUGHPUT_STEPS (300), TIME_LIMIT_S (540), RUNS (/tmp/moe_runs).
+# THROUGHPUT_STEPS (300; 0 skips step 2), TIME_LIMIT_S (540), RUNS (/tmp/moe_runs), BEFORE_TRAINING (a
+# command started in the background before step 4, e.g. another job sharing the GPU).
 set -uo pipefail
 : "${TRAIN_BIN:?set TRAIN_BIN}" "${VAL_BIN:?set VAL_BIN}" "${TOKENIZER_DIR:?set TOKENIZER_DIR}"
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
@@ -39,9 +40,11 @@ echo "== 1. layer, eager ($(left) s left)"
 # shellcheck disable=SC2086
 timeout 75 $PY benchmarks/moe.py layer --json "$RUNS/layer_eager.json" $LAYER_ARGS 2>&1 | tee "$RUNS/layer_eager.log"
 
-echo "== 2. isolated throughput, eager ($(left) s left)"
-timeout 100 $PY benchmarks/moe.py throughput "${data[@]}" --compile 0 --steps "$THROUGHPUT_STEPS" \
-  --deadline-s 90 --min-run-s 8 2>&1 | tee "$RUNS/throughput.log"
+if [ "$THROUGHPUT_STEPS" -gt 0 ]; then
+  echo "== 2. isolated throughput, eager ($(left) s left)"
+  timeout 100 $PY benchmarks/moe.py throughput "${data[@]}" --compile 0 --steps "$THROUGHPUT_STEPS" \
+    --deadline-s 90 --min-run-s 8 2>&1 | tee "$RUNS/throughput.log"
+fi
 
 if [ "$LAYER_COMPILE" = 1 ]; then
   echo "== 3. layer, compiled ($(left) s left)"
@@ -51,6 +54,7 @@ if [ "$LAYER_COMPILE" = 1 ]; then
 fi
 
 # What is left, less the evaluation after the budget, the report and a margin.
+[ -n "${BEFORE_TRAINING:-}" ] && { bash -c "$BEFORE_TRAINING" & }
 budget=$(( $(left) - 55 ))
 echo "== 4. training, all variants at once, ${budget} s budget each ($(left) s left)"
 if [ "$budget" -gt 20 ]; then
