@@ -101,7 +101,7 @@ SCALES = {
         ei_optim=OptimConfig(lr=2e-4, min_lr_ratio=1.0),
         grpo=GRPOConfig(n_grpo_steps=30, rollout_batch_size=96, group_size=8, train_batch_size=96,
                         grad_accum_steps=2, eval_every=10),
-        grpo_optim=OptimConfig(lr=2e-4, min_lr_ratio=1.0),
+        grpo_optim=OptimConfig(lr=5e-5, min_lr_ratio=1.0),
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=24, batch_size=96, eval_max_new_tokens=24),
         throughput_batch=32, throughput_tokens=32, threads=1,
     ),
@@ -116,12 +116,13 @@ SCALES = {
         ei=ExpertIterationConfig(n_ei_steps=4, questions_per_step=512, group_size=4, sft_epochs=1.0),
         ei_sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1),
         ei_optim=OptimConfig(lr=1e-4, min_lr_ratio=1.0),
-        # 64 questions x 8 samples per step; each rollout batch is used for two epochs with the
-        # clipped objective (the first epoch is exactly on-policy). Up to 400 steps, cut at
-        # 240 s of wall time so the whole script stays within a few minutes on one H200.
+        # 64 questions x 8 samples per step (twice the groups, so less noise per update), one
+        # on-policy update per rollout batch at the learning rate that was stable before, after
+        # a warm-up. Up to 400 steps, cut at 240 s of wall time so the whole script stays
+        # within a few minutes on one H200.
         grpo=GRPOConfig(n_grpo_steps=400, rollout_batch_size=512, group_size=8, train_batch_size=512,
-                        grad_accum_steps=2, epochs_per_rollout_batch=2, loss_type="grpo_clip", cliprange=0.2,
-                        eval_every=25, max_seconds=240.0),
+                        grad_accum_steps=2, loss_type="reinforce_with_baseline", eval_every=25,
+                        max_seconds=240.0),
         grpo_optim=OptimConfig(lr=1e-4, warmup_steps=20, min_lr_ratio=1.0),
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, batch_size=512, eval_max_new_tokens=48),
         throughput_batch=256, throughput_tokens=64,
