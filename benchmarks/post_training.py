@@ -1,7 +1,11 @@
 """Post-training end to end on the synthetic arithmetic task: SFT -> expert iteration / GRPO.
 
     python benchmarks/post_training.py --scale tiny            # CPU, a few minutes
-    python benchmarks/post_training.py --scale full --device cuda --json docs/benchmarks/post_training_full.json
+    python benchmarks/post_training.py --scale small           # CPU, difficulty 2, ~10 minutes
+    python benchmarks/post_training.py --scale full --device cuda \
+        --json docs/benchmarks/post_training_full.json --plot docs/benchmarks/post_training_full.png
+    python benchmarks/post_training.py --scale full --set grpo.max_seconds=120 sampling.temperature=1.2
+    python benchmarks/post_training.py --replot results.json --plot curves.png
 
 1. Data: multi-step arithmetic problems (scratchlm.align.task) at the scale's difficulty; a
    small set with worked solutions for SFT, a larger set of questions only for EI/GRPO, and a
@@ -15,7 +19,8 @@
    scratchlm.model.hf.export_hf), same prompts, same number of new tokens, and whether their
    greedy outputs agree.
 
-Prints a table and writes everything (settings, per-step metrics, figures) as JSON.
+Prints a table and writes everything (settings, per-step metrics, figures) as JSON; --plot
+draws held-out accuracy, rollout reward, token entropy and response length against the step.
 """
 
 from __future__ import annotations
@@ -86,21 +91,71 @@ SCALES = {
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=24, batch_size=64, eval_max_new_tokens=24),
         throughput_batch=32, throughput_tokens=32, threads=1,
     ),
+    "small": Scale(
+        difficulty=2, max_operand=9, max_value=30, n_sft=500, n_rl=4000, n_eval=200, vocab_size=800,
+        model=dict(context_length=160, d_model=128, num_layers=3, num_heads=4, d_ff=384),
+        sft=SFTConfig(micro_batch_size=16, grad_accum_steps=1, max_steps=250, log_every=50),
+        sft_optim=OptimConfig(lr=2e-3, warmup_steps=15, min_lr_ratio=0.1, weight_decay=0.0),
+        ei=ExpertIterationConfig(n_ei_steps=2, questions_per_step=96, group_size=4, sft_epochs=1.0),
+        ei_sft=SFTConfig(micro_batch_size=16, grad_accum_steps=1),
+        ei_optim=OptimConfig(lr=2e-4, min_lr_ratio=1.0),
+        grpo=GRPOConfig(n_grpo_steps=30, rollout_batch_size=96, group_size=8, train_batch_size=96,
+                        grad_accum_steps=2, eval_every=10),
+        grpo_optim=OptimConfig(lr=5e-5, min_lr_ratio=1.0),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=24, batch_size=96, eval_max_new_tokens=24),
+        throughput_batch=32, throughput_tokens=32, threads=1,
+    ),
     "full": Scale(
         difficulty=3, max_operand=9, max_value=99, n_sft=1000, n_rl=20000, n_eval=500, vocab_size=2000,
         model=dict(context_length=256, d_model=384, num_layers=6, num_heads=6, d_ff=1024),
-        sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1, max_steps=300, log_every=50),
-        sft_optim=OptimConfig(lr=1e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.0),
+        # About 7.7 epochs over the worked solutions: enough for the format and much of the
+        # arithmetic, short of memorising them (300 steps drove the loss to 2e-4 and the
+        # response entropy to 0.004 nats, leaving GRPO few groups with any spread of reward).
+        sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1, max_steps=120, log_every=20),
+        sft_optim=OptimConfig(lr=1e-3, warmup_steps=12, min_lr_ratio=0.1, weight_decay=0.0),
         ei=ExpertIterationConfig(n_ei_steps=4, questions_per_step=512, group_size=4, sft_epochs=1.0),
         ei_sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1),
         ei_optim=OptimConfig(lr=1e-4, min_lr_ratio=1.0),
-        grpo=GRPOConfig(n_grpo_steps=150, rollout_batch_size=256, group_size=8, train_batch_size=256,
-                        grad_accum_steps=4, eval_every=25),
-        grpo_optim=OptimConfig(lr=1e-4, min_lr_ratio=1.0),
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, batch_size=256, eval_max_new_tokens=48),
+        # 64 questions x 8 samples per step (twice the groups, so less noise per update), one
+        # on-policy update per rollout batch at the learning rate that was stable before, after
+        # a warm-up. Up to 400 steps, cut at 240 s of wall time so the whole script stays
+        # within a few minutes on one H200.
+        grpo=GRPOConfig(n_grpo_steps=400, rollout_batch_size=512, group_size=8, train_batch_size=512,
+                        grad_accum_steps=2, loss_type="reinforce_with_baseline", eval_every=25,
+                        max_seconds=240.0),
+        grpo_optim=OptimConfig(lr=1e-4, warmup_steps=20, min_lr_ratio=1.0),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, batch_size=512, eval_max_new_tokens=48),
         throughput_batch=256, throughput_tokens=64,
     ),
 }
+
+
+def apply_override(scale: Scale, assignment: str) -> None:
+    """Set one field from ``section.key=value`` (or ``key=value`` for the scale's own fields),
+    parsed with the type of the value it replaces; sections are checked once all are set.
+
+    Example: ``grpo.group_size=16``, ``sampling.temperature=1.2``, ``model.num_layers=4``.
+    """
+    if "=" not in assignment:
+        raise SystemExit(f"--set expects section.key=value, got {assignment!r}")
+    path, text = assignment.split("=", 1)
+    *parents, key = path.split(".")
+    target = scale
+    for name in parents:
+        if not hasattr(target, name):
+            raise SystemExit(f"--set: unknown section {name!r} in {path!r}")
+        target = getattr(target, name)
+    current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+    if current is None:
+        raise SystemExit(f"--set: unknown key {path!r}")
+    if isinstance(current, bool):
+        value = text.lower() in ("1", "true", "yes")
+    else:
+        value = type(current)(text)
+    if isinstance(target, dict):
+        target[key] = value
+    else:
+        setattr(target, key, value)
 
 
 def build_tokenizer(texts: list[str], vocab_size: int, work: Path):
@@ -160,12 +215,79 @@ def throughput(policy: ScratchPolicy, prompts: list[str], new_tokens: int, work:
             "ratio_scratchlm_over_hf": t_hf / t_ours, "greedy_rows_identical": agree}
 
 
+def plot_curves(results: dict, path: Path) -> None:
+    """Reward, held-out accuracy, token entropy and response length against the step, one PNG.
+
+    GRPO's training curves are per step (a moving average of 10 drawn over the raw values);
+    expert iteration's are per EI step, on its own top axis scale so both fit one panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(values: list[float], n: int = 10) -> list[float]:
+        return [sum(values[max(0, i - n + 1):i + 1]) / len(values[max(0, i - n + 1):i + 1]) for i in range(len(values))]
+
+    grpo = [h for h in results.get("grpo", {}).get("history", []) if h.get("step", 0) > 0]
+    ei = [h for h in results.get("ei", {}).get("history", []) if h.get("step", 0) > 0]
+    grpo_evals = [h for h in results.get("grpo", {}).get("history", []) if "eval_accuracy" in h]
+    ei_evals = [h for h in results.get("ei", {}).get("history", []) if "eval_accuracy" in h]
+    # EI's token entropy is that of its SFT on kept responses, not of its rollouts: not drawn.
+    panels = [
+        ("rollout reward (training questions)", "reward_mean", "rollout_reward"),
+        ("token entropy of rollouts (nats per response token)", "token_entropy", None),
+        ("response length (generated tokens)", "response_tokens_mean", "response_tokens_mean"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax = axes[0][0]
+    if grpo_evals:
+        ax.plot([h["step"] for h in grpo_evals], [100 * h["eval_accuracy"] for h in grpo_evals], "o-",
+                label=f"GRPO ({results['settings']['grpo']['loss_type']})")
+        ax.plot([h["step"] for h in grpo_evals], [100 * h["eval_format_rate"] for h in grpo_evals], ":",
+                color="C0", alpha=0.6, label="GRPO format rate")
+    ax.axhline(100 * results["sft"]["eval"]["accuracy"], color="gray", ls="--", label="SFT start")
+    ax.set_title("held-out accuracy, greedy (%)")
+    ax.set_xlabel("GRPO step")
+    if ei_evals:
+        top = ax.twiny()
+        top.plot([h["step"] for h in ei_evals], [100 * h["eval_accuracy"] for h in ei_evals], "s-", color="C1",
+                 label="expert iteration")
+        top.set_xlabel("EI step", color="C1")
+        top.xaxis.get_major_locator().set_params(integer=True)
+        top.legend(loc="lower right")
+    ax.set_ylim(0, 105)
+    ax.legend(loc="center right")
+    for ax, (title, key, ei_key) in zip([axes[0][1], axes[1][0], axes[1][1]], panels):
+        if grpo:
+            steps = [h["step"] for h in grpo]
+            values = [h[key] for h in grpo]
+            ax.plot(steps, values, color="C0", alpha=0.3)
+            ax.plot(steps, smooth(values), color="C0", label="GRPO")
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+        if ei and ei_key:
+            top = ax.twiny()
+            top.plot([h["step"] for h in ei], [h[ei_key] for h in ei], "s-", color="C1", label="expert iteration")
+            top.set_xlabel("EI step", color="C1")
+            top.xaxis.get_major_locator().set_params(integer=True)
+            top.legend(loc="lower right")
+        ax.legend(loc="upper left")
+    fig.suptitle(f"post-training, {results['scale']} scale on {results['machine']['gpu'] or 'CPU'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--plot", default=None, help="write the training curves here (PNG)")
+    parser.add_argument("--replot", default=None, metavar="JSON",
+                        help="only draw --plot from the results of an earlier run, then exit")
     parser.add_argument("--skip", nargs="*", default=[], choices=["ei", "grpo", "throughput"])
     parser.add_argument("--difficulty", type=int, help="override the scale's task difficulty")
     parser.add_argument("--n-sft", type=int, help="override the number of worked solutions")
@@ -173,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-steps", type=int, help="override the GRPO steps")
     parser.add_argument("--grpo-loss", choices=["no_baseline", "reinforce_with_baseline", "grpo_clip"])
     parser.add_argument("--grpo-lr", type=float, help="override the GRPO learning rate")
+    parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any scale setting, e.g. grpo.group_size=16 sampling.temperature=1.2")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot_curves(json.loads(Path(args.replot).read_text(encoding="utf-8")), Path(args.plot or "curves.png"))
+        return 0
     scale = copy.deepcopy(SCALES[args.scale])
     if args.difficulty:
         scale.difficulty = args.difficulty
@@ -187,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         scale.grpo_optim.lr = args.grpo_lr
     if args.grpo_loss:
         scale.grpo.loss_type = args.grpo_loss
+    for assignment in args.set:
+        apply_override(scale, assignment)
+    for section in vars(scale).values():  # check the overridden sections as a whole
+        if hasattr(section, "__post_init__"):
+            section.__post_init__()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu" and scale.threads:
@@ -225,14 +357,16 @@ def main(argv: list[str] | None = None) -> int:
 
         def log(row):
             keep = ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy", "eval_format_rate",
-                    "kept", "token_entropy", "clip_fraction", "rollout_tokens_per_s")
+                    "kept", "token_entropy", "clip_fraction", "zero_std_groups", "response_tokens_mean",
+                    "retokenized_fraction", "rollout_tokens_per_s")
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keep}),
                   flush=True)
 
         t0 = time.perf_counter()
         sft_hist = sft_train(policy, pairs, sft=scale.sft, optim=scale.sft_optim, seed=args.seed, log=log)
         sft_eval = evaluator(policy)(0)
-        results["sft"] = {"seconds": time.perf_counter() - t0, "final_loss": sft_hist[-1]["loss"], "eval": sft_eval,
+        results["sft"] = {"seconds": time.perf_counter() - t0, "final_loss": sft_hist[-1]["loss"],
+                          "final_token_entropy": sft_hist[-1]["token_entropy"], "eval": sft_eval,
                           "history": sft_hist}
         print(f"SFT: held-out accuracy {100 * sft_eval['accuracy']:.1f}% (format {100 * sft_eval['format_rate']:.1f}%)",
               flush=True)
@@ -258,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                               optim=scale.grpo_optim, sampling=scale.sampling, evaluate=evaluator(pol),
                               seed=args.seed, log=log)
             evals = [h for h in hist if "eval_accuracy" in h]
-            results["grpo"] = {"seconds": time.perf_counter() - t0, "history": hist,
+            results["grpo"] = {"seconds": time.perf_counter() - t0, "history": hist, "steps": hist[-1]["step"],
                                "final_accuracy": evals[-1]["eval_accuracy"],
                                "best_accuracy": max(h["eval_accuracy"] for h in evals)}
         if "throughput" not in args.skip:
@@ -268,15 +402,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results["seconds"] = time.perf_counter() - started
     print()
-    print(f"{'stage':<44}{'held-out accuracy':>18}{'format':>10}{'seconds':>10}")
-    print(f"{'SFT (start)':<44}{100 * sft_eval['accuracy']:>17.1f}%{100 * sft_eval['format_rate']:>9.1f}%"
+    print(f"{'stage':<52}{'held-out accuracy':>18}{'format':>10}{'seconds':>10}")
+    print(f"{'SFT (start)':<52}{100 * sft_eval['accuracy']:>17.1f}%{100 * sft_eval['format_rate']:>9.1f}%"
           f"{results['sft']['seconds']:>10.1f}")
     for name in ("ei", "grpo"):
         if name in results:
             last = [h for h in results[name]["history"] if "eval_accuracy" in h][-1]
-            label = {"ei": "expert iteration", "grpo": f"GRPO ({scale.grpo.loss_type})"}[name]
+            label = {"ei": f"expert iteration, {last['step']} steps",
+                     "grpo": f"GRPO ({scale.grpo.loss_type}), {last['step']} steps"}[name]
             delta = 100 * (last["eval_accuracy"] - sft_eval["accuracy"])
-            print(f"{label + f' ({delta:+.1f} pts)':<44}{100 * last['eval_accuracy']:>17.1f}%"
+            print(f"{label + f' ({delta:+.1f} pts)':<52}{100 * last['eval_accuracy']:>17.1f}%"
                   f"{100 * last['eval_format_rate']:>9.1f}%{results[name]['seconds']:>10.1f}")
     if "throughput" in results:
         t = results["throughput"]
@@ -289,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            plot_curves(results, Path(args.plot))
+        except ImportError as e:  # the results are already written; --replot draws them later
+            print(f"no plot ({e}); draw it with --replot {args.json or 'RESULTS.json'} --plot {args.plot}")
     return 0
 
 

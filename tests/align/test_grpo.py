@@ -96,3 +96,37 @@ def test_microbatch_step_clip_fraction():
     _, meta = grpo_microbatch_train_step(new, mask, 1, "grpo_clip", advantages=torch.tensor([[1.0]]),
                                          old_log_probs=old, cliprange=0.2)
     assert meta["clip_fraction"].item() == pytest.approx(0.5)
+
+
+class _SplitPolicy:
+    """Encodes "70" as one token (5), though a sampler may have written it as "7", "0"."""
+
+    eos_id, pad_id = 0, 0
+    vocab = {0: "", 1: "7", 2: "0", 3: " </answer>", 5: "70"}
+
+    def encode(self, text):
+        ids = []
+        while text:
+            for tok, s in sorted(self.vocab.items(), key=lambda kv: -len(kv[1])):
+                if s and text.startswith(s):
+                    ids.append(tok)
+                    text = text[len(s):]
+                    break
+        return ids
+
+
+def test_rollout_ids_are_the_sampled_ones():
+    from scratchlm.align.grpo import rollout_response_ids
+    from scratchlm.align.policy import Completion
+
+    policy = _SplitPolicy()
+    completions = [
+        Completion("70 </answer>", 4, True, [1, 2, 3, 0]),  # sampled "7","0": kept, not re-encoded to "70"
+        Completion("70 </answer>", 2, True, [5, 3]),  # stopped on the string: end-of-text appended
+        Completion("70", 2, False, [1, 2]),  # out of budget: no end-of-text
+        Completion("70 </answer>", 3, True),  # ids unknown: re-encoded
+        Completion("", 0, False, []),  # empty: one token to normalise over
+    ]
+    ids, retokenized = rollout_response_ids(policy, completions)
+    assert ids == [[1, 2, 3, 0], [5, 3, 0], [1, 2], [5, 3, 0], [0]]
+    assert retokenized == pytest.approx(2 / 5)

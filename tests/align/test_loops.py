@@ -120,3 +120,15 @@ def test_grpo_raises_the_reward_of_a_simple_preference(tiny_policy):
                optim=OptimConfig(lr=3e-2), sampling=SamplingConfig(max_new_tokens=1, batch_size=16))
     end = even_mass()
     assert end > start + 0.2
+
+
+def test_grpo_stops_when_its_time_is_up_and_still_evaluates(tiny_policy):
+    examples = ArithmeticTask(difficulty=1).examples(8)
+    evaluated = []
+    history = grpo_train(tiny_policy, examples, template=TEMPLATE, reward_fn=arithmetic_reward,
+                         grpo=GRPOConfig(n_grpo_steps=50, rollout_batch_size=4, group_size=2, train_batch_size=4,
+                                         grad_accum_steps=1, eval_every=0, max_seconds=1e-9),
+                         optim=OptimConfig(lr=1e-3), sampling=SamplingConfig(max_new_tokens=4, batch_size=4),
+                         evaluate=lambda step: evaluated.append(step) or {"accuracy": 0.0})
+    assert [h["step"] for h in history] == [0, 1] and evaluated == [0, 1]
+    assert "eval_accuracy" in history[-1] and "retokenized_fraction" in history[-1]

@@ -97,3 +97,32 @@ def test_hf_export_generates_what_the_scratch_policy_generates(tiny_policy, tmp_
     ours = [c.text for c in tiny_policy.generate(PROMPTS, max_new_tokens=8, temperature=0.0)]
     theirs = [c.text for c in hf.generate(PROMPTS, max_new_tokens=8, temperature=0.0)]
     assert ours == theirs
+
+
+def _text_decoder(vocab):
+    return lambda ids: "".join(vocab[i] for i in ids)
+
+
+def test_finish_completion_keeps_the_sampled_ids():
+    from scratchlm.align.policy import finish_completion
+
+    vocab = {0: "<eos>", 1: " 7", 2: "0", 3: " </answer>", 4: " junk", 5: "70"}
+    decode = _text_decoder(vocab)
+    # Ended on end-of-text right after the stop string: all ids kept, the eos included.
+    c = finish_completion([1, 2, 3, 0], 0, ("</answer>",), decode)
+    assert (c.text, c.token_ids, c.stopped, c.num_tokens) == (" 70 </answer>", [1, 2, 3, 0], True, 4)
+    # Went on after the stop string: text and ids cut after the token completing it, no eos.
+    c = finish_completion([5, 3, 4, 4], 0, ("</answer>",), decode)
+    assert (c.text, c.token_ids, c.stopped, c.num_tokens) == ("70 </answer>", [5, 3], True, 4)
+    # Ran out of budget: nothing cut, not stopped.
+    c = finish_completion([1, 2], 0, ("</answer>",), decode)
+    assert (c.text, c.token_ids, c.stopped) == (" 70", [1, 2], False)
+
+
+def test_scratch_completions_carry_the_generated_ids(tiny_policy):
+    from scratchlm.infer.generate import generate
+
+    out = tiny_policy.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)
+    ids = generate(tiny_policy.model, [tiny_policy.encode(p) for p in PROMPTS], 8, temperature=1.0,
+                   eos_id=tiny_policy.eos_id, seed=5)
+    assert [c.token_ids for c in out] == ids

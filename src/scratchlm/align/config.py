@@ -95,6 +95,7 @@ class GRPOConfig:
     normalize_constant: float = 0.0  # for "constant" (0 = sampling.max_new_tokens)
     cliprange: float = 0.2  # grpo_clip epsilon
     eval_every: int = 10  # GRPO steps between evaluations (0 = only at the start and the end)
+    max_seconds: float = 0.0  # stop after the step that passes this much wall time (0 = no limit)
 
     def __post_init__(self) -> None:
         if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"):

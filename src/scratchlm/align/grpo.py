@@ -156,6 +156,31 @@ def grpo_microbatch_train_step(
     return loss.detach(), out
 
 
+def rollout_response_ids(policy: Any, completions: Sequence[Any]) -> tuple[list[list[int]], float]:
+    """The token ids to train on for each completion, and the fraction whose text re-encodes
+    to other ids than those sampled.
+
+    The policy gradient is only unbiased for the tokens the policy actually sampled, so the
+    completion's own `token_ids` are used when the policy reports them; re-encoding the text
+    (the fallback) gives the tokenizer's canonical split, which a sampled response need not
+    follow. A response that stopped is trained to stop (end-of-text after it); an empty one
+    still gets one token, so every row has a response to normalise over.
+    """
+    end = [policy.eos_id] if policy.eos_id is not None else [policy.pad_id]
+    out, differ = [], 0
+    for c in completions:
+        encoded = policy.encode(c.text)
+        ids = encoded if c.token_ids is None else list(c.token_ids)
+        if ids and ids[-1] == policy.eos_id and policy.eos_id is not None:
+            body = ids[:-1]
+        else:
+            body = ids
+            ids = ids + (end if c.stopped or not ids else [])
+        differ += body != encoded
+        out.append(ids)
+    return out, differ / max(len(completions), 1)
+
+
 def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int) -> Tensor:
     """Log-probs (N, T) of a whole rollout batch without gradients, `micro` rows at a time."""
     parts = []
@@ -180,7 +205,8 @@ def grpo_train(
     log: LogFn | None = None,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run `grpo.n_grpo_steps` GRPO steps on `policy`; returns one metrics dict per step.
+    """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
+    first); returns one metrics dict per step.
 
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
     its dict is merged into that step's metrics under ``eval_*`` keys.
@@ -202,6 +228,7 @@ def grpo_train(
         if log is not None:
             log(first)
     bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
+    started = time.perf_counter()
     for step in range(1, grpo.n_grpo_steps + 1):
         questions = rng.sample(list(train_examples), min(n_questions, len(train_examples)))
         prompts = [template.format(q.question) for q in questions for _ in range(grpo.group_size)]
@@ -215,10 +242,7 @@ def grpo_train(
         advantages, raw, reward_meta = compute_group_normalized_rewards(
             reward_fn, responses, truths, grpo.group_size, grpo.advantage_eps, grpo.normalize_by_std)
         prompt_ids = [policy.encode(p) for p in prompts]
-        end = [policy.eos_id] if policy.eos_id is not None else [policy.pad_id]
-        # A response that stopped is trained to stop (end-of-text after it); an empty one still
-        # gets one token, so every row has a response to normalise over.
-        response_ids = [policy.encode(c.text) + (end if c.stopped or not c.text else []) for c in completions]
+        response_ids, retokenized = rollout_response_ids(policy, completions)
         limit = policy.context_length + 1
         response_ids = [r[: max(limit - len(p), 1)] for p, r in zip(prompt_ids, response_ids)]
         batch = tokenize_prompt_and_output(prompt_ids, response_ids, policy.pad_id)
@@ -256,14 +280,18 @@ def grpo_train(
         model.eval()
         generated = sum(c.num_tokens for c in completions)
         row = {"phase": "grpo", "step": step, "lr": lr, **{k: v / n_updates for k, v in sums.items()},
-               **reward_meta, "response_tokens_mean": generated / len(completions),
+               **reward_meta, "response_tokens_mean": generated / len(completions), "retokenized_fraction": retokenized,
                "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0}
-        if evaluate is not None and (step == grpo.n_grpo_steps or (grpo.eval_every and step % grpo.eval_every == 0)):
+        out_of_time = bool(grpo.max_seconds) and time.perf_counter() - started >= grpo.max_seconds
+        last = step == grpo.n_grpo_steps or out_of_time
+        if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
             row.update({f"eval_{k}": v for k, v in evaluate(step).items()})
         history.append(row)
         if log is not None:
             log(row)
         bar.update(1)
         bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
+        if out_of_time:
+            break
     bar.close()
     return history

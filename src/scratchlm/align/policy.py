@@ -35,6 +35,10 @@ class Completion:
     text: str
     num_tokens: int  # tokens the generator produced for it (the decoding cost)
     stopped: bool  # ended by a stop string or the end-of-text token, not the token budget
+    # The sampled token ids behind `text` (through the token that completes the stop string,
+    # plus the end-of-text id when the row ended on it there); None when unknown. Re-encoding
+    # `text` need not give them back: a sampled split of "70" into "7", "0" encodes as "70".
+    token_ids: list[int] | None = None
 
 
 class Policy(Protocol):
@@ -63,9 +67,21 @@ def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _finish(text: str, hit_eos: bool, num_tokens: int, stop: tuple[str, ...]) -> Completion:
-    cut, found = truncate_at_stop(text, stop)
-    return Completion(cut, num_tokens, found or hit_eos)
+def finish_completion(ids: list[int], eos_id: int | None, stop: tuple[str, ...], decode: Any) -> Completion:
+    """A Completion from the new token ids of one row (ending with `eos_id` when it stopped on it).
+
+    The text is cut just after the first stop string; the token ids are cut after the first
+    token whose text completes it, and keep the end-of-text id only when nothing was cut.
+    """
+    hit_eos = bool(ids) and eos_id is not None and ids[-1] == eos_id
+    body = ids[:-1] if hit_eos else list(ids)
+    full = decode(body)
+    text, found = truncate_at_stop(full, stop)
+    if found and len(text) < len(full):
+        # The row went on after the stop string: keep the shortest prefix of tokens holding it.
+        k = next(k for k in range(1, len(body) + 1) if truncate_at_stop(decode(body[:k]), stop)[1])
+        body, hit_eos = body[:k], False
+    return Completion(text, len(ids), found or hit_eos, body + ([eos_id] if hit_eos else []))
 
 
 class ScratchPolicy:
@@ -106,10 +122,7 @@ class ScratchPolicy:
                 new = generate(self.model, chunk, budget, temperature=temperature, top_k=top_k, top_p=top_p,
                                eos_id=self.eos_id, use_kv_cache=True,
                                seed=None if seed is None else seed + start)
-            for ids in new:
-                hit_eos = bool(ids) and ids[-1] == self.eos_id
-                text = self.decode(ids[:-1] if hit_eos else ids)
-                out.append(_finish(text, hit_eos, len(ids), stop))
+            out.extend(finish_completion(ids, self.eos_id, stop, self.decode) for ids in new)
         return out
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:
@@ -177,9 +190,7 @@ class HFPolicy:
                 for row in seqs[:, width:].tolist():
                     if self.eos_id is not None and self.eos_id in row:
                         row = row[: row.index(self.eos_id) + 1]
-                    hit_eos = bool(row) and row[-1] == self.eos_id
-                    text = self.decode(row[:-1] if hit_eos else row)
-                    out.append(_finish(text, hit_eos, len(row), stop))
+                    out.append(finish_completion(row, self.eos_id, stop, self.decode))
         finally:
             self.model.train(was_training)
         return out
