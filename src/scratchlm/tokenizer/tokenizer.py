@@ -41,10 +41,12 @@ EOT = "<|endoftext|>"
 # Cache bounds, so memory stays flat however much text goes through (about 150-200 bytes an
 # entry: the two strings and the dict slot). When the unit cache would pass its bound it keeps
 # only the units of the text being encoded (the frequent ones are among them); the pretoken
-# cache, needed only for new units, is cleared. With these bounds encode_iterable over 170 MB
-# of text holds its RSS at ~80 MB from the first few MB on (2^20 entries: 239 MB and rising).
-MAX_CACHE_UNITS = 1 << 17
-MAX_CACHE_PRETOKENS = 1 << 16
+# cache, needed only for new units, is cleared. With these bounds (~50 + ~25 MB) the RSS of
+# encode_iterable levels off at ~120 MB within the first ~50 MB of text and stays there (with
+# 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB but
+# evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
+MAX_CACHE_UNITS = 1 << 18
+MAX_CACHE_PRETOKENS = 1 << 17
 # Fewer new pretokens than this go through the per-word merge loop rather than BulkMerger,
 # whose fixed cost per merge round only pays off over many words.
 BULK_MERGE_MIN = 256
