@@ -257,23 +257,29 @@ class Tokenizer:
         so the pretokens of the joined string are those of each unit, newline-separated; and
         no non-whitespace unit's tokens contain the newline token, so splitting the joined
         token string on it gives each unit's tokens back. A whitespace unit is one pretoken;
-        ASCII units go through the faster ASCII form of the pattern.
+        other ASCII units go through the faster ASCII form of the pattern.
         """
         pretokens_cache = self._pretokens
         if len(pretokens_cache) > MAX_CACHE_PRETOKENS:
             pretokens_cache.clear()
-        spaces = [u for u in units if u[-1] in WHITESPACE_CHARS]
-        words = units.difference(spaces)
+        single = [u for u in units if u[-1] in WHITESPACE_CHARS]  # units that are one pretoken
+        words = units.difference(single)
         ascii_words = [u for u in words if u.isascii()]
         other_words = [u for u in words if not u.isascii()] if len(ascii_words) < len(words) else []
+        # ASCII letters or digits after an optional space are one pretoken too; their cache
+        # entries share the pretoken's string, which keeps the unit cache compact.
+        single += [u for u in ascii_words if (u[1:] if u[0] == " " else u).isalpha()
+                   or (u[1:] if u[0] == " " else u).isdigit()]
+        if len(single) > len(units) - len(words):
+            ascii_words = list(set(ascii_words).difference(single))
         ascii_pretokens = GPT2_ASCII_RE.findall("\n".join(ascii_words)) if ascii_words else []
         other_pretokens = GPT2_RE.findall("\n".join(other_words)) if other_words else []
-        need = set(ascii_pretokens).union(other_pretokens, spaces, ["\n"]).difference(pretokens_cache)
+        need = set(ascii_pretokens).union(other_pretokens, single, ["\n"]).difference(pretokens_cache)
         if need:
             self._bpe_many(need)
         cache = self._cache
         get = pretokens_cache.__getitem__
-        cache.update(zip(spaces, map(get, spaces)))
+        cache.update(zip(single, map(get, single)))
         newline = pretokens_cache["\n"]
         for group, found in ((ascii_words, ascii_pretokens), (other_words, other_pretokens)):
             if group:
