@@ -156,3 +156,21 @@ def test_ids_beyond_the_surrogate_range(trained):
 
     ids = [0, 65, 0xD800, 0xDFFF, 70_000, 0x10FFFF]
     assert _ids_of("".join(map(chr, ids))) == ids
+
+
+def test_encode_iterable_keeps_the_caches_within_their_bounds(trained, tinystories_text, monkeypatch):
+    from scratchlm.tokenizer import tokenizer as module
+
+    text = tinystories_text[:200_000] + random_text(random.Random(3), 50_000, (EOT,))
+    expected = trained.encode(text)
+    monkeypatch.setattr(module, "STREAM_BLOCK_CHARS", 2000)
+    monkeypatch.setattr(module, "MAX_CACHE_UNITS", 1500)
+    monkeypatch.setattr(module, "MAX_CACHE_PRETOKENS", 1000)
+    tok = Tokenizer(trained.vocab, trained.merges, [EOT])
+    largest = 0
+    ids = []
+    for i in tok.encode_iterable(io.StringIO(text)):
+        ids.append(i)
+        largest = max(largest, len(tok._cache))
+    assert ids == expected
+    assert 1000 < largest <= 1500 and len(tok._pretokens) <= 1000 + 2000

@@ -5,11 +5,14 @@ into *units* (see ``pretokenize``: runs of non-whitespace with one optional lead
 whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
 unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
+The units a block of text misses are handled together: one regex pass over all of them, and
+one merge loop over all their new pretokens at once (``bulk_merge``, numpy), so a cold cache
+costs little more than a warm one.
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
-adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). Ids come from the vocabulary given, so GPT-2's own
-``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
+adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). Ids come
+from the vocabulary given, so GPT-2's own ``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
 
 Decoding joins token bytes and decodes them as UTF-8, replacing invalid sequences with U+FFFD.
 An id that is not in the vocabulary raises ``UnknownTokenError`` (both a ``UserError`` and a
@@ -24,16 +27,29 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
+from typing import TYPE_CHECKING
+
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import (
     GPT2_ASCII_RE, GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern,
 )
 
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.bulk_merge import BulkMerger
+
 EOT = "<|endoftext|>"
-# The caches are dropped when they grow past this many entries, so memory stays bounded
-# however much text goes through (about 100 bytes an entry).
-MAX_CACHE_UNITS = 1 << 20
-MAX_CACHE_PRETOKENS = 1 << 20
+# Cache bounds, so memory stays flat however much text goes through (about 150-200 bytes an
+# entry: the two strings and the dict slot). When the unit cache would pass its bound it keeps
+# only the units of the text being encoded (the frequent ones are among them); the pretoken
+# cache, needed only for new units, is cleared. With these bounds (~50 + ~25 MB) the RSS of
+# encode_iterable levels off at ~120 MB within the first ~50 MB of text and stays there (with
+# 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB but
+# evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
+MAX_CACHE_UNITS = 1 << 18
+MAX_CACHE_PRETOKENS = 1 << 17
+# Fewer new pretokens than this go through the per-word merge loop rather than BulkMerger,
+# whose fixed cost per merge round only pays off over many words.
+BULK_MERGE_MIN = 256
 # encode() works on blocks of about this many characters, so memory stays proportional.
 ENCODE_BLOCK_CHARS = 1 << 20
 # encode_iterable encodes roughly this many characters at a time.
@@ -104,6 +120,7 @@ class Tokenizer:
         self._whole = {t: chr(i) for t, i in by_bytes.items() if i not in special_ids}
         self._ranks: dict[str, int] = {}
         self._merged: dict[str, str] = {}
+        self._bulk: BulkMerger | None | bool = None  # built on first use; False: not applicable
         for rank, (left, right) in enumerate(self.merges):
             try:
                 pair = chr(by_bytes[left]) + chr(by_bytes[right])
@@ -179,14 +196,8 @@ class Tokenizer:
 
     # --- encoding ----------------------------------------------------------------------------
 
-    def _bpe(self, pretoken: str) -> str:
-        """The merged token string (chr(id) per token) of one pretoken."""
-        data = pretoken.encode("utf-8")
-        whole = self._whole.get(data)
-        if whole is not None:
-            # A pretoken that is itself a token encodes as that token (tiktoken's shortcut,
-            # and Hugging Face's ignore_merges).
-            return whole
+    def _merge_loop(self, data: bytes) -> str:
+        """The merged token string (chr(id) per token) of a pretoken's bytes, one word at a time."""
         chars = data.decode("latin-1")
         parts = list(chars if self._bytes_are_ids else chars.translate(self._byte_chars))
         get = self._ranks.get
@@ -195,7 +206,7 @@ class Tokenizer:
         # ranks[k]: rank of the pair (parts[k], parts[k + 1]); only the two pairs next to a
         # merge change, so each step is a C-level min() plus two lookups.
         ranks = [get(parts[k] + parts[k + 1], never) for k in range(len(parts) - 1)]
-        while True:
+        while ranks:
             rank = min(ranks)
             if rank == never:
                 break
@@ -208,45 +219,69 @@ class Tokenizer:
                 ranks[k - 1] = get(parts[k - 1] + token, never)
             if k < len(ranks):
                 ranks[k] = get(token + parts[k + 1], never)
-            if not ranks:
-                break
         return "".join(parts)
 
-    def _fill_cache(self, units: Iterable[str]) -> None:
+    def _bpe_many(self, pretokens: Iterable[str]) -> None:
+        """Add the merged token strings of pretokens to the pretoken cache."""
+        pretokens = list(pretokens)
+        encoded = [p.encode("utf-8") for p in pretokens]
+        # A pretoken that is itself a token encodes as that token (tiktoken's shortcut, and
+        # Hugging Face's ignore_merges).
+        tokens = list(map(self._whole.get, encoded))
+        rest = [k for k, token in enumerate(tokens) if token is None]
+        if len(rest) < BULK_MERGE_MIN or self._bulk_merger() is None:
+            merged = [self._merge_loop(encoded[k]) for k in rest]
+        else:
+            merged = self._bulk.merge([encoded[k] for k in rest])
+        for k, token in zip(rest, merged):
+            tokens[k] = token
+        self._pretokens.update(zip(pretokens, tokens))
+
+    def _bulk_merger(self) -> BulkMerger | None:
+        """The BulkMerger for these merges (built on first use), or None where it would differ."""
+        if self._bulk is None:
+            from scratchlm.tokenizer.bulk_merge import BulkMerger  # numpy, only when needed
+
+            pairs = [(ord(pair[0]), ord(pair[1])) for pair in self._ranks]
+            merged = [ord(token) for token in self._merged.values()]
+            byte_ids = [ord(self._byte_chars[b]) for b in range(256)]
+            exact = BulkMerger.exact_for(pairs, merged)
+            self._bulk = BulkMerger(pairs, merged, byte_ids) if exact else False
+        return self._bulk or None
+
+    def _fill_cache(self, units: set[str]) -> None:
         """Encode units missing from the cache, with one regex pass for all of them.
 
         Non-whitespace units are joined with newlines: a newline next to a non-space
         character (or before the space that starts the next unit) is a pretoken of its own,
         so the pretokens of the joined string are those of each unit, newline-separated; and
         no non-whitespace unit's tokens contain the newline token, so splitting the joined
-        token string on it gives each unit's tokens back. A whitespace unit, or ASCII letters
-        or digits after an optional space, is one pretoken; other ASCII units go through the
-        faster ASCII form of the pattern.
+        token string on it gives each unit's tokens back. A whitespace unit is one pretoken;
+        other ASCII units go through the faster ASCII form of the pattern.
         """
         pretokens_cache = self._pretokens
         if len(pretokens_cache) > MAX_CACHE_PRETOKENS:
             pretokens_cache.clear()
-        single: list[str] = []  # units that are one pretoken
-        ascii_words: list[str] = []
-        words: list[str] = []
-        for unit in units:
-            if unit[-1] in WHITESPACE_CHARS:
-                single.append(unit)
-            elif unit.isascii():
-                body = unit[1:] if unit[0] == " " else unit
-                (single if body.isalpha() or body.isdigit() else ascii_words).append(unit)
-            else:
-                words.append(unit)
+        single = [u for u in units if u[-1] in WHITESPACE_CHARS]  # units that are one pretoken
+        words = units.difference(single)
+        ascii_words = [u for u in words if u.isascii()]
+        other_words = [u for u in words if not u.isascii()] if len(ascii_words) < len(words) else []
+        # ASCII letters or digits after an optional space are one pretoken too; their cache
+        # entries share the pretoken's string, which keeps the unit cache compact.
+        single += [u for u in ascii_words if (u[1:] if u[0] == " " else u).isalpha()
+                   or (u[1:] if u[0] == " " else u).isdigit()]
+        if len(single) > len(units) - len(words):
+            ascii_words = list(set(ascii_words).difference(single))
         ascii_pretokens = GPT2_ASCII_RE.findall("\n".join(ascii_words)) if ascii_words else []
-        pretokens = GPT2_RE.findall("\n".join(words)) if words else []
-        need = set(pretokens).union(ascii_pretokens, single, ["\n"]).difference(pretokens_cache)
-        for pretoken in need:
-            pretokens_cache[pretoken] = self._bpe(pretoken)
+        other_pretokens = GPT2_RE.findall("\n".join(other_words)) if other_words else []
+        need = set(ascii_pretokens).union(other_pretokens, single, ["\n"]).difference(pretokens_cache)
+        if need:
+            self._bpe_many(need)
         cache = self._cache
         get = pretokens_cache.__getitem__
         cache.update(zip(single, map(get, single)))
         newline = pretokens_cache["\n"]
-        for group, found in ((ascii_words, ascii_pretokens), (words, pretokens)):
+        for group, found in ((ascii_words, ascii_pretokens), (other_words, other_pretokens)):
             if group:
                 cache.update(zip(group, "".join(map(get, found)).split(newline)))
 
@@ -258,9 +293,12 @@ class Tokenizer:
             return "".join(map(cache.__getitem__, units))
         except KeyError:
             pass
-        if len(cache) > MAX_CACHE_UNITS:
-            cache.clear()
-        self._fill_cache(set(units).difference(cache))
+        distinct = set(units)
+        missing = distinct.difference(cache)
+        if len(cache) + len(missing) > MAX_CACHE_UNITS:
+            # Keep only the units this text uses: the frequent ones are among them.
+            self._cache = cache = {unit: cache[unit] for unit in distinct.difference(missing)}
+        self._fill_cache(missing)
         return "".join(map(cache.__getitem__, units))
 
     def encode_ordinary(self, text: str) -> list[int]:

@@ -1,0 +1,178 @@
+"""BPE merges applied to many pretokens at once, with numpy.
+
+Encoding text meets each distinct pretoken once; with a cold cache that is tens of thousands of
+short words, and a Python merge loop per word costs microseconds per step. Here all the words
+go through the merge loop together, one *round* at a time, as flat arrays:
+
+1. the rank of every adjacent pair (``searchsorted`` over the merge keys ``left * K + right``);
+2. each word's lowest rank (``minimum.reduceat``); a word with no mergeable pair is finished
+   and leaves the arrays, so later rounds only see the words still merging;
+3. in each remaining word, every occurrence of its lowest-ranked pair is merged, left to right
+   and without overlap (``a a a`` -> ``aa a``).
+
+Step 3 merges all occurrences of the best pair in one round, while tiktoken merges the leftmost
+one and looks again. The two agree when no merge creates a pair ranked below itself: then the
+pairs next to a new token rank after the merge that made it, and the next best pair is the
+same pair again, further right. Vocabularies learned by BPE have this property (a token is used
+only by merges learned after it was made); ``BulkMerger.exact_for`` checks it, and the
+tokenizer keeps its per-word loop for merge lists without it.
+
+>>> m = BulkMerger([(97, 98), (256, 99)], [256, 257], list(range(256)))  # ab, then abc
+>>> [[ord(c) for c in w] for w in m.merge([b"abcab", b"cab"])]
+[[257, 256], [99, 256]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_NONE = np.iinfo(np.int64).max  # rank of a pair that is not merged
+
+
+class BulkMerger:
+    """Merge pairs in rank order (``pairs[r]`` of ids becomes ``merged[r]``) over many words.
+
+    ``byte_ids[b]`` is the id of the single byte b.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[int, int]], merged: Sequence[int], byte_ids: Sequence[int]) -> None:
+        left = np.fromiter((a for a, _ in pairs), np.int64, len(pairs))
+        right = np.fromiter((b for _, b in pairs), np.int64, len(pairs))
+        self._base = max(int(left.max(initial=0)), int(right.max(initial=0)), max(merged, default=0),
+                         max(byte_ids)) + 1
+        self._table = PairTable(left * self._base + right)
+        # Indexed by table slot; the extra last entry is "no merge".
+        self._ranks = np.full(self._table.size + 1, _NONE, np.int64)
+        self._merged = np.zeros(self._table.size + 1, np.int64)
+        self._ranks[self._table.slots_of_keys] = np.arange(len(pairs))
+        self._merged[self._table.slots_of_keys] = merged
+        self._byte_ids = np.asarray(byte_ids, np.int64)
+
+    @staticmethod
+    def exact_for(pairs: Sequence[tuple[int, int]], merged: Sequence[int]) -> bool:
+        """Whether every merge that uses a token ranks after every merge that makes it."""
+        made_last: dict[int, int] = {}
+        for rank, token in enumerate(merged):
+            made_last[token] = rank
+        for rank, (a, b) in enumerate(pairs):
+            if made_last.get(a, -1) >= rank or made_last.get(b, -1) >= rank:
+                return False
+        return True
+
+    def merge(self, words: Sequence[bytes]) -> list[str]:
+        """The merged tokens of each word (a pretoken's bytes), as a string of chr(id) per token."""
+        if not words:
+            return []
+        encoded = words
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        tokens = self._byte_ids[np.frombuffer(b"".join(encoded), np.uint8)]
+        active = np.arange(len(words))
+        done_words, done_lengths, done_tokens = [], [], []
+        while len(active):
+            starts = np.cumsum(lengths) - lengths
+            ranks, slots = self._pair_ranks(tokens, starts + lengths - 1)
+            best = np.minimum.reduceat(ranks, starts)
+            finished = best == _NONE
+            if finished.any():
+                at_finished = np.repeat(finished, lengths)
+                done_words.append(active[finished])
+                done_lengths.append(lengths[finished])
+                done_tokens.append(tokens[at_finished])
+                keep = ~finished
+                active, lengths, best = active[keep], lengths[keep], best[keep]
+                at_active = ~at_finished
+                tokens, ranks, slots = tokens[at_active], ranks[at_active], slots[at_active]
+                if not len(active):
+                    break
+                starts = np.cumsum(lengths) - lengths
+            hits = np.flatnonzero(ranks == np.repeat(best, lengths))
+            hits = _without_overlaps(hits)
+            tokens[hits] = self._merged[slots[hits]]
+            drop = np.zeros(len(tokens), bool)
+            drop[hits + 1] = True
+            lengths = lengths - np.add.reduceat(drop, starts, dtype=np.int64)
+            tokens = tokens[~drop]
+        words_order = np.concatenate(done_words)
+        all_lengths = np.concatenate(done_lengths)
+        flat = np.concatenate(done_tokens).astype(np.uint32)
+        text = flat.tobytes().decode("utf-32-le" if flat.dtype.byteorder in "=<" else "utf-32-be", "surrogatepass")
+        out: list[str] = [""] * len(words)
+        pos = 0
+        for word, n in zip(words_order.tolist(), all_lengths.tolist()):
+            out[word] = text[pos:pos + n]
+            pos += n
+        return out
+
+    def _pair_ranks(self, tokens: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ranks, slots): ranks[k] is the rank of the pair (tokens[k], tokens[k + 1]), _NONE at
+        the last token of a word; slots[k] its slot in the pair table."""
+        slots = np.empty(len(tokens), np.int64)
+        slots[:-1] = self._table.lookup(tokens[:-1] * self._base + tokens[1:])
+        slots[ends] = self._table.size
+        return self._ranks[slots], slots
+
+
+class PairTable:
+    """An open-addressing hash table (linear probing) of distinct non-negative int64 keys,
+    looked up many keys at a time; a quarter full at most, so most lookups take one probe."""
+
+    _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
+
+    def __init__(self, keys: np.ndarray) -> None:
+        bits = max(4, (4 * len(keys)).bit_length())
+        self.size = 1 << bits
+        self._shift = np.uint64(64 - bits)
+        self._keys = np.full(self.size, -1, np.int64)
+        self.slots_of_keys = np.empty(len(keys), np.int64)
+        pending = np.arange(len(keys))
+        slots = self._home(keys)
+        while len(pending):
+            free = self._keys[slots] == -1
+            # Of several keys wanting one free slot, the first takes it; the others probe on.
+            taken, first = np.unique(slots[free], return_index=True)
+            winners = pending[free][first]
+            self._keys[taken] = keys[winners]
+            self.slots_of_keys[winners] = taken
+            left = np.ones(len(pending), bool)
+            left[np.flatnonzero(free)[first]] = False
+            slots = np.where(free, slots, (slots + 1) & (self.size - 1))[left]
+            pending = pending[left]
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((keys.astype(np.uint64) * self._MULTIPLIER) >> self._shift).astype(np.int64)
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key, or ``size`` for a key not in the table."""
+        out = np.full(len(keys), self.size, np.int64)
+        slots = self._home(keys)
+        found = self._keys[slots]
+        hit = found == keys
+        out[hit] = slots[hit]
+        pending = np.flatnonzero(~hit & (found != -1))
+        # Rare collisions: probe on, one step at a time, for the keys still unresolved.
+        slots = slots[pending]
+        while len(pending):
+            slots = (slots + 1) & (self.size - 1)
+            found = self._keys[slots]
+            hit = found == keys[pending]
+            out[pending[hit]] = slots[hit]
+            more = ~hit & (found != -1)
+            pending, slots = pending[more], slots[more]
+        return out
+
+
+def _without_overlaps(hits: np.ndarray) -> np.ndarray:
+    """Positions of pair starts with overlapping runs (k, k+1, k+2, ...) thinned to k, k+2, ..."""
+    if len(hits) < 2:
+        return hits
+    follows = np.flatnonzero(hits[1:] == hits[:-1] + 1) + 1
+    if not len(follows):
+        return hits
+    # Offset of each hit within its run of consecutive positions; keep the even ones.
+    index = np.arange(len(hits))
+    run_start = np.where(np.concatenate(([True], hits[1:] != hits[:-1] + 1)), index, 0)
+    np.maximum.accumulate(run_start, out=run_start)
+    return hits[(index - run_start) % 2 == 0]
