@@ -3,7 +3,7 @@
 Backends: "math" runs `functional.scaled_dot_product_attention` with an explicit boolean mask
 (the reference, and the only path that handles padding masks and cached decoding);
 "flash_torch" / "flash_triton" call the tiled FlashAttention `autograd.Function`s from
-`scratchlm.kernels`, imported on first use so the model does not depend on Triton. The fast
+`scratchlm.kernels`, imported when such a module is built (they import without Triton). The fast
 backends only know `is_causal`, so calls with a KV cache or a padding mask fall back to "math";
 so do "flash_triton" calls on CPU tensors (a GPU-trained checkpoint still samples on a laptop).
 """

@@ -275,10 +275,7 @@ class ParallelEngine:
 
     def all_reduce_mean(self, x: float) -> float:
         """The mean of `x` over ranks."""
-        t = torch.tensor([float(x)], dtype=torch.float64 if self.backend == "gloo" else torch.float32,
-                         device=self.device)
-        dist.all_reduce(t)
-        return (t / self.world_size).item()
+        return self.all_reduce_means([float(x)])[0]
 
     def all_reduce_means(self, values: list[float]) -> list[float]:
         """The mean over ranks of each of `values`, in one collective."""
