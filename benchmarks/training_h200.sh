@@ -12,15 +12,7 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/gutenberg
 C=.carry/gutenberg
 mkdir -p "$W" "$OUT"
-python3 - <<'PY'
-import lzma, shutil
-for name in ("train_00", "valid"):
-    with lzma.open(f".carry/gutenberg/{name}.txt.xz") as src, open(f"/tmp/gutenberg/{name}.txt", "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 24)
-PY
-for name in train_00 valid; do
-  python3 -m scratchlm encode "$W/$name.txt" --tokenizer "$C/tokenizer" --out "$W/$name.bin" --workers 16 --no-progress
-done
+W="$W" bash benchmarks/prepare_gutenberg.sh
 common=(--data.train_path="$W/train_00.bin" --data.val_path="$W/valid.bin" --data.tokenizer_dir="$C/tokenizer"
         --trainer.compile=true --trainer.checkpoint_interval=0 --trainer.sample_tokens=128)
 read -r -a tuned <<< "${SCRATCHLM_OVERRIDES---model.attention_backend=flash_triton --trainer.compile_mode=reduce-overhead}"

@@ -99,6 +99,13 @@ def test_validation_in_post_init_becomes_config_error():
         load_config(TrainConfig, None, ["--model.d_model=100", "--model.num_heads=3"])
     with pytest.raises(ConfigError, match="parallel.strategy"):
         load_config(TrainConfig, None, ["--parallel.strategy=magic"])
+    with pytest.raises(ConfigError, match="moe_gemm"):
+        load_config(TrainConfig, None, ["--model.ffn=moe", "--model.moe_gemm=cutlass"])
+    moe = load_config(TrainConfig, None, ["--model.ffn=moe", "--model.moe_gemm=portable"])
+    from scratchlm.model.transformer import build_model
+
+    tiny = moe.model.__class__(**{**moe.model.__dict__, "d_model": 32, "num_heads": 2, "d_ff": 32, "num_layers": 1})
+    assert build_model(tiny).layers[0].ffn.gemm == "portable"
 
 
 def test_split_overrides():

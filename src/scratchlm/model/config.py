@@ -29,6 +29,7 @@ class ModelConfig:
     moe_shared_experts: int = 0  # ffn="moe": experts every token also goes through
     moe_aux_coef: float = 0.01  # ffn="moe": weight of the load-balancing loss in the training loss
     moe_z_coef: float = 0.001  # ffn="moe": weight of the router z-loss in the training loss
+    moe_gemm: str = "auto"  # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "portable"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -48,6 +49,8 @@ class ModelConfig:
                     f"model.moe_top_k must be between 1 and model.moe_num_experts ({self.moe_num_experts}), "
                     f"got {self.moe_top_k}"
                 )
+            if self.moe_gemm not in ("auto", "grouped_mm", "portable"):
+                raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
         if self.attention_backend not in ("math", "flash_torch", "flash_triton"):

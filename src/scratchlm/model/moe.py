@@ -389,6 +389,7 @@ def build_moe_ffn(
     capacity_factor: float | None = None,
     shared_experts: int = 0,
     renormalize: bool = True,
+    gemm: str = "auto",
     device=None,
     dtype=None,
 ) -> MoEFFN:
@@ -402,6 +403,7 @@ def build_moe_ffn(
         renormalize=renormalize,
         num_shared_experts=shared_experts,
         capacity_factor=capacity_factor,
+        gemm=gemm,
         device=device,
         dtype=dtype,
     )
@@ -415,4 +417,5 @@ def moe_options(cfg: object) -> dict[str, object]:
         "top_k": shape["top_k"],
         "capacity_factor": shape["capacity_factor"],
         "shared_experts": shape["shared"],
+        "gemm": getattr(cfg, "moe_gemm", "auto"),
     }
