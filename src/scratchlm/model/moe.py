@@ -193,16 +193,17 @@ class MoEFFN(nn.Module):
         flat_token = torch.arange(N, device=x.device).repeat(k)  # (k·N,)
         flat_gate = gates.t().reshape(-1).to(x.dtype)  # (k·N,)
         A = k * N
-        order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(A, device=x.device)  # assignment -> sorted position
         counts = count_per_expert(flat_expert, E)  # (E,)
 
         # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
         # experts' (bf16 under autocast), not necessarily x's.
         if self._use_grouped_mm(x2, logits.dtype):
-            ys, dropped = self._grouped_experts(x2, flat_expert, flat_token, order, counts, logits.dtype)
-        elif self.capacity_factor is None:
+            out, dropped = self._grouped_experts(x2, flat_expert, flat_gate, counts, logits.dtype)
+            return self._finish(out, x2, logits, probs, experts, dropped, shape)
+        order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(A, device=x.device)  # assignment -> sorted position
+        if self.capacity_factor is None:
             xs = x2[flat_token[order]]  # (A, D), grouped by expert
             dropped = torch.zeros((), device=x.device, dtype=torch.long)
             # unbind, not w[e]: indexing would give each expert's backward a zero-filled full
@@ -234,6 +235,10 @@ class MoEFFN(nn.Module):
 
         # Weighted sum over each token's k choices; dropped assignments contribute zero.
         out = (routed * flat_gate[:, None]).view(k, N, self.d_model).sum(dim=0)
+        return self._finish(out, x2, logits, probs, experts, dropped, shape)
+
+    def _finish(self, out: Tensor, x2: Tensor, logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor,
+                shape: torch.Size) -> Tensor:
         if self.shared is not None:
             out = out + self.shared(x2)
         self.last_aux = router_stats(logits, probs, experts, dropped)
@@ -246,47 +251,98 @@ class MoEFFN(nn.Module):
         return (self.gemm == "auto" and x2.is_cuda and compute_dtype == torch.bfloat16 and grouped_mm_supported()
                 and self.d_model % 8 == 0 and self.d_ff % 8 == 0)  # 16-byte row strides
 
-    def _grouped_experts(self, x2: Tensor, flat_expert: Tensor, flat_token: Tensor, order: Tensor, counts: Tensor,
+    def _grouped_experts(self, x2: Tensor, flat_expert: Tensor, flat_gate: Tensor, counts: Tensor,
                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Expert outputs per sorted assignment through two grouped GEMMs: ((A, D), dropped count).
+        """Routed output (N, D) and dropped count through two grouped GEMMs.
 
-        Sorted assignment i of expert e goes to row ``block_start[e] + (i - start[e])`` of a
-        buffer of ``P`` rows (a bound of static size, so shapes never depend on the routing);
-        the last block runs to the end of the buffer, so every row belongs to a block and
-        padding rows are zeros whose outputs are zeros.
+        Assignment ``a`` (priority order, token ``a % N``) of expert ``e`` goes to row
+        ``block_start[e] + slot`` of a buffer of ``P`` rows (a bound of static size, so shapes
+        never depend on the routing); the last block runs to the end of the buffer, so every
+        row belongs to a block and padding rows are zeros. Kept assignments and buffer rows are
+        in one-to-one correspondence, so moving rows either way is a gather in the forward
+        *and* in the backward (``_dispatch`` / ``_combine``): no scatter-add, no atomics.
         """
         N, D, E = x2.shape[0], self.d_model, self.num_experts
         A = flat_expert.numel()
         kept = counts if self.capacity_factor is None else counts.clamp(
             max=expert_capacity(N, E, self.top_k, self.capacity_factor))
-        starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
         blocks = (kept + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
         ends = torch.cumsum(blocks, 0)
-        block_starts = ends - blocks
         P = (A + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN + E * GROUP_ALIGN
         offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)  # (E,) block ends
 
-        # Gather: buffer row -> (expert, place in block) -> sorted assignment -> token.
-        row = torch.arange(P, device=x2.device)
-        row_expert = torch.searchsorted(ends, row, right=True).clamp(max=E - 1)
-        place = row - block_starts[row_expert]
-        filled = place < kept[row_expert]
-        source = (starts[row_expert] + place).clamp(max=A - 1)
-        token = flat_token[order][source]
-        buf = torch.where(filled[:, None], x2[token].to(dtype), x2.new_zeros((), dtype=dtype))  # (P, D)
+        order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
+        sorted_expert = flat_expert[order]
+        slot = torch.arange(A, device=x2.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+        keep_sorted = slot < kept[sorted_expert]
+        row_sorted = torch.where(keep_sorted, (ends - blocks)[sorted_expert] + slot, P)  # P: dropped
+        row_of = torch.empty_like(row_sorted)
+        row_of[order] = row_sorted  # (A,) assignment -> buffer row, or P when dropped
+        assign_of = torch.full((P + 1,), A, device=x2.device, dtype=order.dtype)
+        assign_of[row_sorted] = order  # dropped ones all land on the extra entry P, cut below
+        assign_of = assign_of[:P]  # (P,) buffer row -> assignment, or A for padding
+        filled = assign_of < A
+        keep = row_of < P
+        gate = flat_gate * keep  # dropped assignments add nothing
 
+        buf = _dispatch(x2, assign_of % N, filled, row_of, keep, self.top_k, dtype)  # (P, D)
         w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
         h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=offs)  # (P, 2F)
         h1, h3 = h.split(self.d_ff, dim=-1)
         y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=offs)  # (P, D)
+        out = _combine(y, gate, row_of, assign_of, filled, self.top_k)
+        return out, A - keep.sum()
 
-        # Back: sorted assignment -> buffer row, or the extra zero row when dropped.
-        sorted_expert = flat_expert[order]
-        slot = torch.arange(A, device=x2.device) - starts[sorted_expert]
-        keep = slot < kept[sorted_expert]
-        rows = torch.where(keep, block_starts[sorted_expert] + slot, P)
-        ys = torch.cat([y, y.new_zeros(1, D)])[rows]
-        return ys, (~keep).sum()
+
+class _Dispatch(torch.autograd.Function):
+    """buf[r] = x[token[r]] (zero where not filled); backward sums each token's k rows back."""
+
+    @staticmethod
+    def forward(ctx, x, token, filled, row_of, keep, k, dtype):
+        ctx.save_for_backward(row_of, keep)
+        ctx.k, ctx.x_dtype = k, x.dtype
+        return torch.where(filled[:, None], x[token].to(dtype), x.new_zeros((), dtype=dtype))
+
+    @staticmethod
+    def backward(ctx, grad_buf):
+        row_of, keep = ctx.saved_tensors
+        rows = row_of.clamp(max=grad_buf.shape[0] - 1)
+        picked = torch.where(keep[:, None], grad_buf[rows], grad_buf.new_zeros(()))  # (A, D)
+        grad_x = picked.to(ctx.x_dtype).view(ctx.k, -1, grad_buf.shape[1]).sum(dim=0)
+        return grad_x, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[n] = sum_j gate[j·N+n] · y[row_of[j·N+n]]; every gradient is a gather too."""
+
+    @staticmethod
+    def forward(ctx, y, gate, row_of, assign_of, filled, k):
+        ctx.save_for_backward(y, gate, row_of, assign_of, filled)
+        ctx.k = k
+        picked = y[row_of.clamp(max=y.shape[0] - 1)]  # (A, D); dropped ones have gate 0
+        return (picked * gate[:, None]).view(k, -1, y.shape[1]).sum(dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, gate, row_of, assign_of, filled = ctx.saved_tensors
+        A, N = gate.shape[0], grad_out.shape[0]
+        grad_y = grad_gate = None
+        if ctx.needs_input_grad[0]:
+            a = assign_of.clamp(max=A - 1)
+            row_gate = torch.where(filled, gate[a], gate.new_zeros(()))  # (P,)
+            grad_y = (grad_out[a % N] * row_gate[:, None]).to(y.dtype)
+        if ctx.needs_input_grad[1]:
+            picked = y[row_of.clamp(max=y.shape[0] - 1)].view(ctx.k, N, -1)
+            grad_gate = (picked * grad_out).sum(dim=-1).reshape(A).to(gate.dtype)
+        return grad_y, grad_gate, None, None, None, None
+
+
+def _dispatch(x, token, filled, row_of, keep, k, dtype):
+    return _Dispatch.apply(x, token, filled, row_of, keep, k, dtype)
+
+
+def _combine(y, gate, row_of, assign_of, filled, k):
+    return _Combine.apply(y, gate, row_of, assign_of, filled, k)
 
 
 def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
