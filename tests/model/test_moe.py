@@ -331,3 +331,17 @@ def test_cuda_bf16_autocast_takes_the_grouped_gemm_and_compiles(capacity_factor,
         yc = compiled(x)
     yc.float().sum().backward()
     torch.testing.assert_close(yc.float(), y.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_top1_gate_is_the_router_probability_so_the_router_learns_from_the_output():
+    torch.manual_seed(0)
+    moe = MoEFFN(D, F, 4, 1)
+    assert not moe.renormalize and MoEFFN(D, F, 4, 2).renormalize
+    x = torch.randn(2, 9, D)
+    moe(x).pow(2).sum().backward()  # the output alone, no auxiliary loss
+    learnt = moe.router.weight.grad.abs().sum()
+    forced = MoEFFN(D, F, 4, 1, renormalize=True)
+    forced.load_state_dict(moe.state_dict())
+    forced(x).pow(2).sum().backward()
+    # Gate p/p = 1 always: nothing but rounding reaches the router (why it is not the default).
+    assert forced.router.weight.grad.abs().sum() < 1e-4 * learnt

@@ -2,7 +2,10 @@
 
 A linear router scores each token against ``E`` experts; softmax turns the scores into
 probabilities and each token goes to its ``top_k`` most probable experts, weighted by those
-probabilities (renormalised to sum to 1 over the chosen ones unless ``renormalize=False``).
+probabilities (renormalised to sum to 1 over the chosen ones when ``renormalize``, by default
+for top-k > 1; for top-1 the default is the raw probability, as in Switch Transformer, since a
+renormalised top-1 gate is always 1 and the router would then learn from the auxiliary losses
+alone).
 Shared experts, when present, see every token with weight 1.
 
 Dispatch never loops over tokens. The (token, choice) assignments are sorted by expert so
@@ -138,7 +141,7 @@ class MoEFFN(nn.Module):
         num_experts: int,
         top_k: int,
         *,
-        renormalize: bool = True,
+        renormalize: bool | None = None,
         num_shared_experts: int = 0,
         capacity_factor: float | None = None,
         gemm: str = "auto",
@@ -156,7 +159,7 @@ class MoEFFN(nn.Module):
         self.d_ff = d_ff
         self.num_experts = num_experts
         self.top_k = top_k
-        self.renormalize = renormalize
+        self.renormalize = top_k > 1 if renormalize is None else renormalize
         self.num_shared_experts = num_shared_experts
         self.capacity_factor = capacity_factor
         self.router = Linear(d_model, num_experts, device=device, dtype=dtype)
@@ -444,7 +447,7 @@ def build_moe_ffn(
     top_k: int = 2,
     capacity_factor: float | None = None,
     shared_experts: int = 0,
-    renormalize: bool = True,
+    renormalize: bool | None = None,
     gemm: str = "auto",
     device=None,
     dtype=None,
