@@ -129,6 +129,8 @@ def layer_command(args: argparse.Namespace) -> int:
                      "active_flops_per_token_fwd": flops, "times_ms": [t * 1e3 for t in result.times]})
         print(f"{name:40s} {result.median * 1e3:8.3f} ms  {rate / 1e6:7.2f} M tok/s  "
               f"x{ratio:.2f} of dense  ({flops / (3 * 2 * D * F):.3f}x dense active FLOPs)", flush=True)
+        if args.profile:
+            _profile_step(step, device, args.profile_rows)
         if args.json:  # after every row, so a timeout keeps what was measured
             out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "compile": args.compile, "tokens": T, "d_model": D, "d_ff": F,
@@ -136,6 +138,21 @@ def layer_command(args: argparse.Namespace) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _profile_step(step, device, rows: int) -> None:
+    """Kernel-time table of a few more steps (torch.profiler): where a case's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
 
 
 # ---------------------------------------------------------------- training runs
@@ -189,7 +206,7 @@ def throughput_command(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.deadline_s
     for name in _variants(args):
         left = deadline - time.monotonic()
-        if left < args.min_run_s:
+        if left - 15 < args.min_run_s:  # the run's own budget is left - 15 s
             print(f"throughput: no time left for {name}; skipped")
             continue
         proc = _launch(args, name, Path(args.runs) / "throughput" / name, args.steps, left - 15,
@@ -266,6 +283,12 @@ def _summarise(run: Path) -> dict:
     return out
 
 
+def common_eval_tokens(curves: list[list]) -> int:
+    """The largest token count at which every run evaluated: the fair comparison point."""
+    seen = [{t for t, _ in curve} for curve in curves]
+    return max(set.intersection(*seen), default=0) if seen else 0
+
+
 def _at_tokens(curve: list, tokens: int) -> float | None:
     return next((loss for t, loss in curve if t == tokens), None)
 
@@ -283,8 +306,7 @@ def report_command(args: argparse.Namespace) -> int:
                 except Exception as exc:  # a broken run is reported, not fatal
                     result[kind][run.name] = {"run": run.name, "error": f"{type(exc).__name__}: {exc}"}
     train = {k: v for k, v in result["train"].items() if "error" not in v}
-    # The largest token count every run evaluated at: the fair comparison point.
-    common = min((max((t for t, _ in v["val_curve"]), default=0) for v in train.values()), default=0)
+    common = common_eval_tokens([v["val_curve"] for v in train.values()])
     lines = ["| variant | what | params total / active | FFN FLOPs/token vs dense | tokens | val loss "
              f"| val loss @ {common / 1e6:.2f}M tok | tok/s alone | tok/s shared | max expert share | aux (LB) "
              "| router entropy |", "|" + "---|" * 12]
@@ -335,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--warmup", type=int, default=5)
     s.add_argument("--compile", action="store_true")
     s.add_argument("--cases", help="comma-separated indices of the cases to run (0 = dense), default all")
+    s.add_argument("--profile", action="store_true", help="after each case, a profiler table of 5 more steps")
+    s.add_argument("--profile-rows", type=int, default=15)
     s.add_argument("--device")
     s.add_argument("--json")
     for name, help_ in (("train", "all variants concurrently"), ("throughput", "each variant alone")):
