@@ -14,17 +14,21 @@ reference the tests compare against); this file is the fast version:
   a separate dQ kernel owns one query tile and streams over key tiles. Each output tile is
   written exactly once.
 - ragged sequence lengths (any T) are handled by bounds masks that are compiled in only
-  when T is not a multiple of the tile sizes (``EVEN_*`` heuristics); head dims that are not
-  powers of two are padded to the next power of two with masked loads.
-- tile sizes are autotuned (configs chosen for H100/H200) for bf16/fp16 inputs of length
-  >= 1024 and fixed otherwise (so short test shapes do not pay for tuning). float32 inputs
-  use IEEE float32 dot products, not TF32.
+  when T is not a multiple of the tile sizes (``EVEN_*`` flags, computed by the launcher);
+  head dims that are not powers of two are padded to the next power of two with masked loads.
+- tile sizes are autotuned (configs chosen for H100/H200) for bf16/fp16 inputs whose length
+  is a multiple of 128 and >= 1024, and fixed per (dtype, head dim) otherwise (so short test
+  shapes do not pay for tuning). float32 inputs use IEEE float32 dot products, not TF32.
 
-Composition with ``torch.compile``: the launchers are wrapped as ``torch.library.custom_op``s
-(``scratchlm::flash_attention_forward`` / ``_backward``) with fake (meta) implementations and
-an autograd formula, so Dynamo treats them as opaque graph nodes. On tensors that Triton cannot
-run (CPU, or no triton installed) the same ops fall back to the tiled PyTorch reference, so the
-op, its autograd and its compile path can be exercised anywhere.
+Composition with ``torch.compile``: the launchers are the bodies of two ops,
+``scratchlm::flash_attention_forward`` / ``_backward``, with an autograd formula. They are
+registered with ``torch.library.triton_op`` and launch every kernel through ``wrap_triton``,
+so torch.compile traces into them and Inductor launches the kernels itself (one CUDA graph
+under mode="reduce-overhead", no Python wrapper per call). On torch without triton_op, or
+under Triton's interpreter, they are opaque ``custom_op``s with fake kernels instead (see
+"the ops" below). On tensors that Triton cannot run (CPU, or no triton installed) the same
+ops fall back to the tiled PyTorch reference, so the op, its autograd and its compile path
+can be exercised anywhere.
 
 Triton is imported under a guard: importing this module on a machine without triton works
 (the model imports this module only when the "flash_triton" backend is chosen).
@@ -32,6 +36,7 @@ Triton is imported under a guard: importing this module on a machine without tri
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from contextlib import nullcontext as _nullcontext
@@ -56,6 +61,8 @@ _LN2 = 0.6931471805599453
 # Autotuning compiles and times every config once per (length, head dim, causal, dtype);
 # below this length fixed tiles are used instead.
 _AUTOTUNE_MIN_SEQ = 1024
+# ... and only for lengths that are a multiple of the largest tile, so no tuned config needs masks.
+_TUNE_MULTIPLE = 128
 
 
 def triton_available() -> bool:
@@ -118,7 +125,8 @@ def _backward_triton(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _should_autotune(q: torch.Tensor) -> bool:
-    return (q.is_cuda and not _interpreting() and q.shape[-2] >= _AUTOTUNE_MIN_SEQ
+    T = q.shape[-2]
+    return (q.is_cuda and not _interpreting() and T >= _AUTOTUNE_MIN_SEQ and T % _TUNE_MULTIPLE == 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128)
 
 
@@ -414,46 +422,33 @@ if triton is not None:
         else:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)
 
-    def _even(args):
-        return {"EVEN_M": args["N_CTX"] % args["BLOCK_M"] == 0, "EVEN_N": args["N_CTX"] % args["BLOCK_N"] == 0}
-
-    _even_heuristics = triton.heuristics({"EVEN_M": lambda a: _even(a)["EVEN_M"],
-                                          "EVEN_N": lambda a: _even(a)["EVEN_N"]})
-
-    def _configs(tiles):
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-
-    def _prune(divides: str):
-        # The split into masked/unmasked causal ranges needs one tile size to divide the other;
-        # head dim 128 tiles of 128x128 with deep pipelines do not fit in shared memory.
-        def prune(configs, named_args, **kwargs):
-            big_d = {**named_args, **kwargs}["BLOCK_D"] > 64
-            keep = []
-            for c in configs:
-                m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-                if (m % n if divides == "n|m" else n % m) != 0:
-                    continue
-                if big_d and m * n > 128 * 64 and c.num_stages > 2:
-                    continue
-                keep.append(c)
-            return keep or configs[:1]
-        return prune
-
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen for Hopper (H100/H200).
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen for Hopper (H100/H200). No tile is larger
+    # than _TUNE_MULTIPLE, so on the lengths that are tuned (multiples of it) every config has
+    # EVEN_M and EVEN_N, passed as plain arguments.
     _FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)]
     _DKDV_TILES = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]
     _DQ_TILES = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
     _TUNE_KEY = ["N_CTX", "HEAD_DIM", "IS_CAUSAL"]
 
-    _fwd_fixed = _even_heuristics(_fwd_kernel)
-    _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY,
-                                 prune_configs_by={"early_config_prune": _prune("n|m")})(_fwd_fixed)
-    _dkdv_fixed = _even_heuristics(_bwd_dkdv_kernel)
-    _dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY,
-                                  prune_configs_by={"early_config_prune": _prune("m|n")})(_dkdv_fixed)
-    _dq_fixed = _even_heuristics(_bwd_dq_kernel)
-    _dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY,
-                                prune_configs_by={"early_config_prune": _prune("n|m")})(_dq_fixed)
+    def _tuner(kernel, tiles, divides: str, big_d: bool):
+        # The split into masked/unmasked causal ranges needs one tile size to divide the other;
+        # head dim 128 tiles of 128x128 with deep pipelines do not fit in shared memory. The
+        # configs are pruned here, per head-dim class, rather than by a prune_configs_by hook,
+        # and the EVEN_* flags are arguments rather than a triton.heuristics wrapper: what
+        # torch.compile can trace in a wrapped kernel (configs and key only, torch 2.6) stays
+        # all that is used.
+        keep = [(m, n, w, s) for m, n, w, s in tiles
+                if (m % n if divides == "n|m" else n % m) == 0 and not (big_d and m * n > 128 * 64 and s > 2)]
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                   for m, n, w, s in keep or tiles[:1]]
+        return triton.autotune(configs, key=_TUNE_KEY)(kernel)
+
+    _fwd_tuned = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=False)
+    _fwd_tuned_big_d = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=True)
+    _dkdv_tuned = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=False)
+    _dkdv_tuned_big_d = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=True)
+    _dq_tuned = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=False)
+    _dq_tuned_big_d = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=True)
 
 
 def _block_d(head_dim: int) -> int:
@@ -471,10 +466,21 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _fixed_meta(tiles: tuple[int, int, int, int]) -> dict:
+def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
+    # EVEN_*: T fills every tile, so the bounds masks are compiled out (a guard under compile).
     m, n, w, s = tiles
-    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+    return {"BLOCK_M": m, "BLOCK_N": n, "EVEN_M": T % m == 0, "EVEN_N": T % n == 0,
+            "num_warps": w, "num_stages": s}
 
+
+def _device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else _nullcontext()
+
+
+# The launchers below run inside the ops' bodies. Each kernel is called as
+# ``wrap_triton(kernel)[grid](...)`` with a grid that is a function of the launch metadata and
+# every tl.constexpr passed by keyword: traced by torch.compile, that call becomes a
+# triton_kernel_wrapper HOP that Inductor launches itself; run eagerly it is a plain launch.
 
 def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None:
     B, H, T, D = q.shape
@@ -483,11 +489,13 @@ def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     args = (q, k, v, o, lse, 1.0 / math.sqrt(D), *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, T)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
+    with _device(q):
         if autotune:
-            _fwd_tuned[grid](*args, **common)
+            kernel = _fwd_tuned_big_d if block_d > 64 else _fwd_tuned
+            wrap_triton(kernel)[grid](*args, **common, EVEN_M=True, EVEN_N=True)
         else:
-            _fwd_fixed[grid](*args, **common, **_fixed_meta(_fixed_tiles(q.dtype, block_d)["fwd"]))
+            meta = _fixed_meta(_fixed_tiles(q.dtype, block_d)["fwd"], T)
+            wrap_triton(_fwd_kernel)[grid](*args, **common, **meta)
 
 
 def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotune: bool) -> None:
@@ -498,29 +506,61 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tiles = _fixed_tiles(q.dtype, block_d)
     delta = torch.empty_like(lse)
-    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
-        pre_m = 64
-        _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), B * H)](
+    pre_m = 64
+    pre_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+                 *_strides(do), *_strides(dk), *_strides(dv), H, T)
+    dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
+    dq_args = (q, k, v, do, dq, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+               *_strides(do), *_strides(dq), H, T)
+    dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    with _device(q):
+        wrap_triton(_bwd_preprocess_kernel)[pre_grid](
             o, do, delta, *_strides(o), *_strides(do), H, T, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m)
-        dkdv_args = (q, k, v, do, dk, dv, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-                     *_strides(do), *_strides(dk), *_strides(dv), H, T)
-        dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
-        dq_args = (q, k, v, do, dq, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-                   *_strides(do), *_strides(dq), H, T)
-        dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
         if autotune:
-            _dkdv_tuned[dkdv_grid](*dkdv_args, **common)
-            _dq_tuned[dq_grid](*dq_args, **common)
+            dkdv_kernel = _dkdv_tuned_big_d if block_d > 64 else _dkdv_tuned
+            dq_kernel = _dq_tuned_big_d if block_d > 64 else _dq_tuned
+            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, EVEN_M=True, EVEN_N=True)
+            wrap_triton(dq_kernel)[dq_grid](*dq_args, **common, EVEN_M=True, EVEN_N=True)
         else:
-            _dkdv_fixed[dkdv_grid](*dkdv_args, **common, **_fixed_meta(tiles["dkdv"]))
-            _dq_fixed[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"]))
+            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **_fixed_meta(tiles["dkdv"], T))
+            wrap_triton(_bwd_dq_kernel)[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"], T))
 
 
-# --- custom ops: opaque to torch.compile, with fake kernels and an autograd formula -----------
+# --- the ops: triton_ops where torch has them, custom ops otherwise ----------------------------
+#
+# With ``torch.library.triton_op`` (torch >= 2.6) the op's body is visible to torch.compile:
+# AOTAutograd traces it (allocations plus one triton_kernel_wrapper HOP per ``wrap_triton``
+# call) and Inductor launches the Triton kernels from its own generated code, so a compiled
+# model has no opaque Python call in its graph and CUDA graphs (mode="reduce-overhead") capture
+# the attention kernels with everything else. The body doubles as the fake (meta) kernel, so it
+# must stay free of data-dependent Python: only shapes, strides and dtypes decide anything.
+# Eagerly a triton_op runs its body directly (wrap_triton is then a no-op).
+#
+# Where triton_op is missing (torch < 2.6) or Triton runs in its CPU interpreter (whose
+# kernels cannot be traced with fake tensors), the same bodies are registered as opaque
+# ``custom_op``s with separate fake kernels, as before.
 
-@torch.library.custom_op("scratchlm::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _use_triton_op() -> bool:
+    return (hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+            and not _interpreting())
+
+
+_USE_TRITON_OP = _use_triton_op()
+
+
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)`` for the triton_ops; the kernel itself otherwise.
+
+    Named like torch's function on purpose: ``triton_op`` finds the kernels an op launches by
+    looking for ``wrap_triton(<name>)`` calls in its source, and keys compile caches on them.
+    """
+    return torch.library.wrap_triton(kernel) if _USE_TRITON_OP else kernel
+
+
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) for (B, T, d) or (B, H, T, d) inputs; L is float32 of shape q.shape[:-1]."""
     _check_inputs(q, k, v)
     if _can_use_triton(q):
@@ -529,27 +569,45 @@ def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, lse.float()
 
 
-@flash_attention_forward_op.register_fake
+def _backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor,
+                   is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) recomputing attention probabilities from (q, k, L)."""
+    if _can_use_triton(q):
+        return _backward_triton(grad_out, q, k, v, out, lse, is_causal)
+    dq, dk, dv = flash_attention_backward_torch(q, k, v, out, lse, grad_out, is_causal)
+    # ops may not return views of inputs; these are fresh, but keep the fake's layout.
+    return tuple(_alloc_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
+
+
 def _forward_fake(q, k, v, is_causal):
     _check_inputs(q, k, v)
     return _alloc_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("scratchlm::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) recomputing attention probabilities from (q, k, L)."""
-    if _can_use_triton(q):
-        return _backward_triton(grad_out, q, k, v, out, lse, is_causal)
-    dq, dk, dv = flash_attention_backward_torch(q, k, v, out, lse, grad_out, is_causal)
-    # custom ops may not return views of inputs; these are fresh, but keep the fake's layout.
-    return tuple(_alloc_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
-
-
-@flash_attention_backward_op.register_fake
 def _backward_fake(grad_out, q, k, v, out, lse, is_causal):
     return _alloc_like(q), _alloc_like(k), _alloc_like(v)
+
+
+def _register(name: str, impl, fake):
+    if not _USE_TRITON_OP:
+        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op.register_fake(fake)
+        return op
+    # Without triton (CPU wheels) triton_op still works (the body then only runs the PyTorch
+    # reference) but logs that it found no kernels; that is expected here, so keep it quiet.
+    log = logging.getLogger("torch._library.triton")
+    level = log.level
+    if triton is None:
+        log.setLevel(logging.ERROR)
+    try:
+        return torch.library.triton_op(name, mutates_args=())(impl)
+    finally:
+        log.setLevel(level)
+
+
+flash_attention_forward_op = _register("scratchlm::flash_attention_forward", _forward_impl, _forward_fake)
+flash_attention_backward_op = _register("scratchlm::flash_attention_backward", _backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
