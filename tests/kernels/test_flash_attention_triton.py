@@ -162,7 +162,7 @@ def test_ops_are_triton_ops_that_name_their_kernels():
     from torch._library.triton import get_triton_kernels_for_op
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (Triton interpreter)")
+        pytest.skip("ops are custom ops here (Triton interpreter, or SCRATCHLM_FLASH_TRITON_OP unset)")
 
     def names(op):
         return {getattr(getattr(k, "fn", k), "__name__", "") for k in get_triton_kernels_for_op(op)}
@@ -183,7 +183,7 @@ def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
     from torch._functorch.aot_autograd import aot_function
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops on this torch")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
     graphs = {}
 
     def keep(name):
@@ -238,7 +238,7 @@ def test_compiled_17m_model_has_no_graph_break_and_launches_kernels_from_inducto
     from torch._inductor.utils import run_and_get_code
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops on this torch")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
     torch._dynamo.reset()
     model = _model_17m()
     x = torch.randint(0, 10_000, (4, 256), device="cuda")
@@ -275,7 +275,7 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
     from torch._dynamo.utils import counters
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops on this torch")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
     torch._dynamo.reset()
     counters.clear()
     model = _model_17m()
@@ -294,3 +294,41 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
     assert counters["inductor"]["cudagraph_partitions"] == 0, dict(counters["inductor"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert len(set(round(v, 4) for v in losses)) == 1, losses  # same inputs, same weights
+
+
+# --- kernels compile for Hopper whatever type the launcher gives the scale ----------------------
+
+@needs_triton
+@pytest.mark.parametrize("scale_type", ["fp32", "fp64"])  # Inductor passes a Python float as fp64
+@pytest.mark.parametrize("name", ["_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])
+@pytest.mark.parametrize("is_causal,even", [(True, True), (False, False)])
+def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, is_causal, even):
+    # Ahead-of-time compilation to a Hopper cubin needs no GPU; an fp64 scale once made the
+    # softmax, and so the tl.dot accumulator, fp64, which Triton rejects at compile time.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from scratchlm.kernels import flash_attention_triton as fat
+
+    fn = getattr(fat, name)
+    while not isinstance(fn, JITFunction):  # autotuner / heuristics wrappers
+        fn = fn.fn
+    tensors = {"LSE": "*fp32", "DELTA": "*fp32"}
+    meta = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=is_causal, EVEN_D=True,
+                EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32")
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in meta:
+            signature[arg] = "constexpr"
+        elif arg == "sm_scale":
+            signature[arg] = scale_type
+        elif arg.isupper() and arg not in ("H", "N_CTX"):
+            signature[arg] = tensors.get(arg, "*bf16")
+        else:
+            signature[arg] = "i32"
+    constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items()}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
