@@ -348,3 +348,29 @@ def test_moe_training_under_torch_compile(cfg, tmp_path, monkeypatch):
     expected = _reference_grads(cfg)
     for name in expected:
         torch.testing.assert_close(compiled[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("compile_eval", [False, True])
+def test_evaluation_runs_the_eager_model_unless_compile_eval(cfg, tmp_path, monkeypatch, compile_eval):
+    """Evaluating through the compiled model would compile a second (no_grad) graph."""
+    calls = []
+
+    class Compiled(torch.nn.Module):  # stands for what torch.compile returns; records grad mode
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return self.module(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: Compiled(fn) if isinstance(fn, torch.nn.Module) else fn)
+    cfg = _with_out(cfg, tmp_path / "run")
+    cfg = replace(cfg, trainer=replace(cfg.trainer, compile=True, compile_eval=compile_eval, max_steps=4,
+                                       checkpoint_interval=0, sample_tokens=0))
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "run")
+    trainer.fit()
+    trainer.logger.close()
+    assert calls.count(True) == 4  # every training step goes through the compiled model
+    assert (calls.count(False) > 0) == compile_eval
+    assert len(_losses(tmp_path / "run", "eval", "val_loss")) >= 1

@@ -30,6 +30,10 @@ class TrainerConfig:
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16"
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    # Evaluate with the compiled model too. Off: single-process evaluation runs the model eagerly,
+    # which spares a second compilation (no_grad) and, under reduce-overhead, a second set of
+    # CUDA graphs; worth turning on only for long evaluations of large models.
+    compile_eval: bool = False
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)

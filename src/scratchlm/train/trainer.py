@@ -279,12 +279,16 @@ class Trainer:
                                       for r in read_metrics(path))
 
     def _evaluate(self) -> dict[str, Any]:
-        self.model.eval()
+        # Distributed wrappers must run the forward (FSDP gathers the weights); alone, the eager
+        # module gives the same loss without compiling a no_grad graph.
+        eager = self.engine is None and not self.cfg.trainer.compile_eval
+        model = self.raw_model if eager else self.model
+        model.eval()
         try:
             with self._autocast():
-                loss = evaluate(self.model, self.data.eval_batches(self.cfg.trainer.eval_batches, self.device))
+                loss = evaluate(model, self.data.eval_batches(self.cfg.trainer.eval_batches, self.device))
         finally:
-            self.model.train()
+            model.train()
         if self.engine is not None:
             loss = self.engine.all_reduce_mean(loss)
         record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
