@@ -213,6 +213,35 @@ def throughput(policy: ScratchPolicy, prompts: list[str], new_tokens: int, work:
             "ratio_scratchlm_over_hf": t_hf / t_ours, "greedy_rows_identical": agree}
 
 
+def gsm8k_eval(policies: dict, limit: int, batch_size: int, new_tokens: int = 128) -> dict:
+    """Each policy graded on the first ``limit`` GSM8K test problems as ``scratchlm eval-math``
+    grades them (r1_zero prompt, greedy), on those whose prompt leaves ``new_tokens`` of room in
+    the model's context; how many fit is part of the result (a model whose tokenizer never saw
+    prose spends many tokens on a word problem)."""
+    from scratchlm.align.datasets import load_examples
+    from scratchlm.align.prompts import get_template
+    from scratchlm.align.rewards import get_reward_fn
+
+    template = get_template("r1_zero")
+    examples = load_examples("gsm8k", "test", limit=limit)
+    out = {}
+    for name, pol in policies.items():
+        lengths = [len(pol.encode(template.format(e.question))) for e in examples]
+        fit = [e for e, n in zip(examples, lengths) if n + new_tokens <= pol.context_length]
+        summary = {"problems": len(examples), "fit_in_context": len(fit),
+                   "prompt_tokens_median": sorted(lengths)[len(lengths) // 2]}
+        if fit:
+            _, graded = evaluate_policy(pol, fit, template=template, reward_fn=get_reward_fn("r1_zero"),
+                                        max_new_tokens=new_tokens, batch_size=batch_size)
+            summary.update(graded)
+        out[name] = summary
+        print(f"GSM8K test, first {limit}, {name}: {len(fit)} prompts fit the context "
+              f"(median prompt {summary['prompt_tokens_median']} tokens, context {pol.context_length}); "
+              f"accuracy {100 * summary.get('accuracy', 0.0):.1f}%, format {100 * summary.get('format_rate', 0.0):.1f}%"
+              + ("" if fit else " (nothing graded)"), flush=True)
+    return out
+
+
 def plot_curves(results: dict, path: Path) -> None:
     """Reward, held-out accuracy, token entropy and response length against the step, one PNG.
 
@@ -287,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replot", default=None, metavar="JSON",
                         help="only draw --plot from the results of an earlier run, then exit")
     parser.add_argument("--skip", nargs="*", default=[], choices=["ei", "grpo", "throughput"])
+    parser.add_argument("--save-policies", metavar="DIR", default=None,
+                        help="save the SFT, EI and GRPO policies under DIR/{sft,ei,grpo} (scratchlm eval-math loads them)")
+    parser.add_argument("--gsm8k", type=int, default=0, metavar="N",
+                        help="also grade each policy on the first N GSM8K test problems (r1_zero prompt)")
     parser.add_argument("--difficulty", type=int, help="override the scale's task difficulty")
     parser.add_argument("--n-sft", type=int, help="override the number of worked solutions")
     parser.add_argument("--sft-steps", type=int, help="override the SFT optimizer steps")
@@ -369,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SFT: held-out accuracy {100 * sft_eval['accuracy']:.1f}% (format {100 * sft_eval['format_rate']:.1f}%)",
               flush=True)
         sft_state = copy.deepcopy(policy.model.state_dict())
+        finals = {"sft": policy}
 
         def fresh_policy():
             model = build_model(cfg, device=device)
@@ -381,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             hist = expert_iteration(pol, rl_examples, template=template, reward_fn=arithmetic_reward, ei=scale.ei,
                                     sft=scale.ei_sft, optim=scale.ei_optim, sampling=scale.sampling,
                                     evaluate=evaluator(pol), seed=args.seed, log=log)
+            finals["ei"] = pol
             results["ei"] = {"seconds": time.perf_counter() - t0, "history": hist,
                              "final_accuracy": hist[-1]["eval_accuracy"]}
         if "grpo" not in args.skip:
@@ -389,10 +424,16 @@ def main(argv: list[str] | None = None) -> int:
             hist = grpo_train(pol, rl_examples, template=template, reward_fn=arithmetic_reward, grpo=scale.grpo,
                               optim=scale.grpo_optim, sampling=scale.sampling, evaluate=evaluator(pol),
                               seed=args.seed, log=log)
+            finals["grpo"] = pol
             evals = [h for h in hist if "eval_accuracy" in h]
             results["grpo"] = {"seconds": time.perf_counter() - t0, "history": hist, "steps": hist[-1]["step"],
                                "final_accuracy": evals[-1]["eval_accuracy"],
                                "best_accuracy": max(h["eval_accuracy"] for h in evals)}
+        if args.save_policies:
+            for name, pol in finals.items():
+                pol.save(Path(args.save_policies) / name)
+        if args.gsm8k > 0:
+            results["gsm8k"] = gsm8k_eval(finals, args.gsm8k, scale.sampling.batch_size)
         if "throughput" not in args.skip:
             prompts = [template.format(e.question) for e in heldout[:scale.throughput_batch]]
             prompts = (prompts * (scale.throughput_batch // max(len(prompts), 1) + 1))[:scale.throughput_batch]
