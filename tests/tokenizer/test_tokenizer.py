@@ -37,6 +37,14 @@ def test_gpt2_matches_tiktoken_on_real_and_random_text(gpt2_tokenizer, tiktoken_
         assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
 
 
+def test_units_holding_nul_match_tiktoken(gpt2_tokenizer, tiktoken_gpt2, trained):
+    # NUL separates units in the cache fill; units that contain it take another path.
+    text = " ".join(["plain", "a\x00b", "\x00", " \x00\x00!", "x\x00", "naïve\x00", "end"] * 50)
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text)
+    fresh = Tokenizer(trained.vocab, trained.merges, [EOT])
+    assert fresh.encode(text) == tiktoken_from(trained).encode(text)
+
+
 def test_gpt2_ids(gpt2_tokenizer):
     assert gpt2_tokenizer.encode("Hello world<|endoftext|>") == [15496, 995, 50256]
     assert gpt2_tokenizer.vocab_size == 50257 and gpt2_tokenizer.eot_id == 50256

@@ -49,6 +49,22 @@ GPT2_ASCII_RE = re.compile(
     rf"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]++| ?[0-9]++| ?[^{_S}A-Za-z0-9]++|[{_S}]+(?![^{_S}])|[{_S}]+"
 )
 
+# GPT-2's pattern for many *units* joined with NUL (``UNITS_SEP``), none of which contains NUL:
+# the separator is a match of its own and no other alternative takes it, so the matches between
+# two separators are the pretokens of the unit between them. A whitespace unit is one pretoken
+# (``\s+`` stands for GPT-2's two whitespace alternatives, which split a run only where the unit
+# split already did), and the only other whitespace, a non-whitespace unit's leading space, goes
+# with the character after it as in GPT-2. ``pretokenize_joined`` uses the stdlib ASCII form where
+# it can. Tested against GPT2_RE unit by unit.
+UNITS_SEP = "\x00"
+JOINED_ASCII_RE = re.compile(
+    rf"\x00|'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]++| ?[0-9]++| ?[^{_S}A-Za-z0-9\x00]++|[{_S}]++"
+)
+JOINED_RE = regex.compile(r"\x00|'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}\x00]++|\s++")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
+# Non-ASCII units closer together than this go through JOINED_RE in one call.
+_NEAR = 256
+
 BLOCK_BYTES = 1 << 22  # a worker reads its byte range in blocks of this size
 
 
@@ -59,6 +75,41 @@ def pretokenize(text: str) -> list[str]:
     ['Hello', ',', ' world', '!', ' ', ' It', "'s", ' 2024', '.']
     """
     return GPT2_RE.findall(text)
+
+
+def pretokenize_joined(joined: str) -> list[str]:
+    r"""GPT-2 pretokens of ``UNITS_SEP.join(units)`` (units free of NUL), with a NUL between units.
+
+    ASCII stretches go through the stdlib pattern; only the units holding a non-ASCII character
+    (with any short ASCII stretch between two of them) go through the ``regex`` module.
+
+    >>> pretokenize_joined("\x00".join(["Hello,", " world", "\n\n", " naïve"]))
+    ['Hello', ',', '\x00', ' world', '\x00', '\n\n', '\x00', ' naïve']
+    """
+    if joined.isascii():
+        return JOINED_ASCII_RE.findall(joined)
+    out: list[str] = []
+    done = 0  # joined[:done] is pretokenized
+    start = end = 0  # the pending non-ASCII stretch, from a unit's start to a separator (or the end)
+    for match in _NON_ASCII_RUN.finditer(joined):
+        if match.start() < end:
+            continue  # in the unit already taken
+        unit_start = joined.rfind(UNITS_SEP, 0, match.start()) + 1
+        if unit_start - end >= _NEAR:
+            if end > start:
+                out += JOINED_ASCII_RE.findall(joined, done, start)
+                out += JOINED_RE.findall(joined, start, end)
+                done = end
+            start = unit_start
+        end = joined.find(UNITS_SEP, match.end())
+        if end == -1:
+            end = len(joined)
+    if end > start:
+        out += JOINED_ASCII_RE.findall(joined, done, start)
+        out += JOINED_RE.findall(joined, start, end)
+        done = end
+    out += JOINED_ASCII_RE.findall(joined, done)
+    return out
 
 
 def special_tokens_pattern(special_tokens: Iterable[str], *, capture: bool = False) -> re.Pattern | None:

@@ -5,9 +5,9 @@ into *units* (see ``pretokenize``: runs of non-whitespace with one optional lead
 whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
 unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
-The units a block of text misses are handled together: one regex pass over all of them, and
-one merge loop over all their new pretokens at once (``bulk_merge``, numpy), so a cold cache
-costs little more than a warm one.
+The units that blocks of text miss are handled together, about a megabyte of text at a time:
+one regex pass over all of them joined into one string, and one merge loop over all their new
+pretokens at once (``bulk_merge``, numpy). Token strings are turned into ids once per batch.
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import (
-    GPT2_ASCII_RE, GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern,
+    GPT2_RE, UNIT_RE, UNITS_SEP, pretokenize_joined, special_tokens_pattern,
 )
 
 if TYPE_CHECKING:
@@ -117,7 +117,16 @@ class Tokenizer:
         self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}  # a translate table
         self._bytes_are_ids = all(self._byte_chars[b] == chr(b) for b in range(256))  # train_bpe layout
         special_ids = set(self.special_token_ids.values())
-        self._whole = {t: chr(i) for t, i in by_bytes.items() if i not in special_ids}
+        # Pretoken -> its token, for pretokens that are a token of their own (tokens whose bytes
+        # are not UTF-8 can never be a whole pretoken).
+        self._whole: dict[str, str] = {}
+        for data, i in by_bytes.items():
+            if i not in special_ids:
+                try:
+                    self._whole[data.decode("utf-8")] = chr(i)
+                except UnicodeDecodeError:
+                    pass
+        self._special_chars = {t: chr(i) for t, i in self.special_token_ids.items()}
         self._ranks: dict[str, int] = {}
         self._merged: dict[str, str] = {}
         self._bulk: BulkMerger | None | bool = None  # built on first use; False: not applicable
@@ -221,21 +230,20 @@ class Tokenizer:
                 ranks[k] = get(token + parts[k + 1], never)
         return "".join(parts)
 
-    def _bpe_many(self, pretokens: Iterable[str]) -> None:
+    def _bpe_many(self, pretokens: set[str]) -> None:
         """Add the merged token strings of pretokens to the pretoken cache."""
-        pretokens = list(pretokens)
-        encoded = [p.encode("utf-8") for p in pretokens]
         # A pretoken that is itself a token encodes as that token (tiktoken's shortcut, and
         # Hugging Face's ignore_merges).
-        tokens = list(map(self._whole.get, encoded))
-        rest = [k for k, token in enumerate(tokens) if token is None]
+        whole = self._whole
+        found = whole.keys() & pretokens
+        cache = self._pretokens
+        cache.update(zip(found, map(whole.__getitem__, found)))
+        rest = list(pretokens.difference(found))
         if len(rest) < BULK_MERGE_MIN or self._bulk_merger() is None:
-            merged = [self._merge_loop(encoded[k]) for k in rest]
+            merged = [self._merge_loop(p.encode("utf-8")) for p in rest]
         else:
-            merged = self._bulk.merge([encoded[k] for k in rest])
-        for k, token in zip(rest, merged):
-            tokens[k] = token
-        self._pretokens.update(zip(pretokens, tokens))
+            merged = self._bulk.merge_text(rest)
+        cache.update(zip(rest, merged))
 
     def _bulk_merger(self) -> BulkMerger | None:
         """The BulkMerger for these merges (built on first use), or None where it would differ."""
@@ -252,63 +260,82 @@ class Tokenizer:
     def _fill_cache(self, units: set[str]) -> None:
         """Encode units missing from the cache, with one regex pass for all of them.
 
-        Non-whitespace units are joined with newlines: a newline next to a non-space
-        character (or before the space that starts the next unit) is a pretoken of its own,
-        so the pretokens of the joined string are those of each unit, newline-separated; and
-        no non-whitespace unit's tokens contain the newline token, so splitting the joined
-        token string on it gives each unit's tokens back. A whitespace unit is one pretoken;
-        other ASCII units go through the faster ASCII form of the pattern.
+        The units are joined with NUL, which the joined form of GPT-2's pattern keeps as a
+        pretoken of its own (``pretokenize_joined``); the tokens of the NUL byte then separate
+        the units' token strings again, since no other unit's tokens contain that byte. A unit
+        that holds a NUL itself goes through GPT-2's pattern alone.
         """
-        pretokens_cache = self._pretokens
-        if len(pretokens_cache) > MAX_CACHE_PRETOKENS:
-            pretokens_cache.clear()
-        single = [u for u in units if u[-1] in WHITESPACE_CHARS]  # units that are one pretoken
-        words = units.difference(single)
-        ascii_words = [u for u in words if u.isascii()]
-        other_words = [u for u in words if not u.isascii()] if len(ascii_words) < len(words) else []
-        # ASCII letters or digits after an optional space are one pretoken too; their cache
-        # entries share the pretoken's string, which keeps the unit cache compact.
-        single += [u for u in ascii_words if (u[1:] if u[0] == " " else u).isalpha()
-                   or (u[1:] if u[0] == " " else u).isdigit()]
-        if len(single) > len(units) - len(words):
-            ascii_words = list(set(ascii_words).difference(single))
-        ascii_pretokens = GPT2_ASCII_RE.findall("\n".join(ascii_words)) if ascii_words else []
-        other_pretokens = GPT2_RE.findall("\n".join(other_words)) if other_words else []
-        need = set(ascii_pretokens).union(other_pretokens, single, ["\n"]).difference(pretokens_cache)
+        pretokens = self._pretokens
+        if len(pretokens) > MAX_CACHE_PRETOKENS:
+            pretokens.clear()
+        units = list(units)
+        joined = UNITS_SEP.join(units)
+        if joined.count(UNITS_SEP) >= len(units) > 0:
+            odd = [u for u in units if UNITS_SEP in u]
+            for unit in odd:
+                found = GPT2_RE.findall(unit)
+                self._bpe_many(set(found).difference(pretokens))
+                self._cache[unit] = "".join(map(pretokens.__getitem__, found))
+            units = [u for u in units if UNITS_SEP not in u]
+            joined = UNITS_SEP.join(units)
+        found = pretokenize_joined(joined)
+        need = set(found).difference(pretokens)
         if need:
             self._bpe_many(need)
-        cache = self._cache
-        get = pretokens_cache.__getitem__
-        cache.update(zip(single, map(get, single)))
-        newline = pretokens_cache["\n"]
-        for group, found in ((ascii_words, ascii_pretokens), (other_words, other_pretokens)):
-            if group:
-                cache.update(zip(group, "".join(map(get, found)).split(newline)))
+        tokens = "".join(map(pretokens.__getitem__, found))
+        self._cache.update(zip(units, tokens.split(self._byte_chars[0])))
 
-    def _encode_chars(self, text: str) -> str:
-        """The token string (chr(id) per token) of text without special tokens."""
-        cache = self._cache
-        units = UNIT_RE.findall(text)
-        try:
-            return "".join(map(cache.__getitem__, units))
-        except KeyError:
-            pass
-        distinct = set(units)
-        missing = distinct.difference(cache)
-        if len(cache) + len(missing) > MAX_CACHE_UNITS:
-            # Keep only the units this text uses: the frequent ones are among them.
-            self._cache = cache = {unit: cache[unit] for unit in distinct.difference(missing)}
-        self._fill_cache(missing)
-        return "".join(map(cache.__getitem__, units))
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        """Ids of ordinary text at even indices of pieces and special tokens at odd ones.
+
+        Text goes in blocks (see ``_blocks``) and each block is cut into units. A block whose
+        units are all in the cache is done with one join; the others wait until about
+        ENCODE_BLOCK_CHARS of text have gathered, then fill the cache together (one regex pass
+        and one merge loop for all their new units) and are joined.
+        """
+        ids: list[int] = []
+        out: list[str] = []  # token strings (chr(id) per token) of the text since the last flush
+        waiting: list[tuple[int, list[str]]] = []  # (index in out, units) of blocks with misses
+        size = 0
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                out.append(self._special_chars[piece])
+                continue
+            for block in self._blocks(piece):
+                units = UNIT_RE.findall(block)
+                try:
+                    out.append("".join(map(self._cache.__getitem__, units)))
+                except KeyError:
+                    waiting.append((len(out), units))
+                    out.append("")
+                size += len(block)
+                if size >= ENCODE_BLOCK_CHARS:
+                    self._flush(out, waiting, ids)
+                    size = 0
+        self._flush(out, waiting, ids)
+        return ids
+
+    def _flush(self, out: list[str], waiting: list[tuple[int, list[str]]], ids: list[int]) -> None:
+        """Encode the waiting blocks, append the ids of out to ids, and empty out and waiting."""
+        if waiting:
+            distinct = set(waiting[0][1]).union(*(units for _, units in waiting[1:]))
+            cache = self._cache
+            missing = distinct.difference(cache)
+            if len(cache) + len(missing) > MAX_CACHE_UNITS:
+                # Keep only the units this text uses: the frequent ones are among them.
+                self._cache = {unit: cache[unit] for unit in distinct.difference(missing)}
+            self._fill_cache(missing)
+            get = self._cache.__getitem__
+            for k, units in waiting:
+                out[k] = "".join(map(get, units))
+            waiting.clear()
+        if out:
+            ids += _ids_of("".join(out))
+            out.clear()
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of text, treating special tokens as plain text."""
-        if len(text) <= ENCODE_BLOCK_CHARS:
-            return _ids_of(self._encode_chars(text))
-        ids: list[int] = []
-        for block in self._blocks(text):
-            ids.extend(_ids_of(self._encode_chars(block)))
-        return ids
+        return self._encode_pieces([text])
 
     def _blocks(self, text: str) -> Iterator[str]:
         """text in pieces of about ENCODE_BLOCK_CHARS, cut where encoding may restart."""
@@ -326,16 +353,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of text; special tokens in it map to their single ids."""
         if self._special_re is None:
-            return self.encode_ordinary(text)
-        ids: list[int] = []
-        pieces = self._special_re.split(text)
-        special_ids = self.special_token_ids
-        for k, piece in enumerate(pieces):
-            if k % 2:
-                ids.append(special_ids[piece])
-            elif piece:
-                ids.extend(self.encode_ordinary(piece))
-        return ids
+            return self._encode_pieces([text])
+        return self._encode_pieces(self._special_re.split(text))
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Ids of the concatenation of the strings (e.g. a text file's lines), lazily.
