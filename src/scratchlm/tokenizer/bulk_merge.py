@@ -45,10 +45,7 @@ class BulkMerger:
         right = np.fromiter((b for _, b in pairs), np.int64, len(pairs))
         self._base = max(int(left.max(initial=0)), int(right.max(initial=0)), max(merged, default=0),
                          max(byte_ids)) + 1
-        self._table = PairTable(left * self._base + right)
-        # Indexed by table slot; the extra last entry is "no merge".
-        self._ranks = np.full(self._table.size + 1, _NONE, np.int64)
-        self._ranks[self._table.slots_of_keys] = np.arange(len(pairs))
+        self._table = PairTable(left * self._base + right, np.arange(len(pairs)), _NONE)
         self._merged_by_rank = np.asarray(merged, np.int64)
         self._byte_ids = np.asarray(byte_ids, np.int64)
 
@@ -152,21 +149,23 @@ class BulkMerger:
         return ranks
 
     def _rank_of_keys(self, keys: np.ndarray) -> np.ndarray:
-        return self._ranks[self._table.lookup(keys)]
+        return self._table.values_of(keys)
 
 
 class PairTable:
-    """An open-addressing hash table (linear probing) of distinct non-negative int64 keys,
-    looked up many keys at a time; a quarter full at most, so most lookups take one probe."""
+    """An open-addressing hash table (linear probing) of distinct non-negative int64 keys, with
+    an int64 value for each, looked up many keys at a time; an eighth full at most, so most
+    lookups take one probe."""
 
     _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
 
-    def __init__(self, keys: np.ndarray) -> None:
-        bits = max(4, (4 * len(keys)).bit_length())
+    def __init__(self, keys: np.ndarray, values: np.ndarray | None = None, missing: int = -1) -> None:
+        bits = max(4, (8 * len(keys)).bit_length())
         self.size = 1 << bits
         self._shift = np.uint64(64 - bits)
         self._keys = np.full(self.size, -1, np.int64)
         self.slots_of_keys = np.empty(len(keys), np.int64)
+        self._missing = missing
         pending = np.arange(len(keys))
         slots = self._home(keys)
         while len(pending):
@@ -180,10 +179,31 @@ class PairTable:
             left[np.flatnonzero(free)[first]] = False
             slots = np.where(free, slots, (slots + 1) & (self.size - 1))[left]
             pending = pending[left]
+        self._values = np.full(self.size, missing, np.int64)
+        if values is not None:
+            self._values[self.slots_of_keys] = values
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
+        slots = keys.astype(np.uint64)
         with np.errstate(over="ignore"):
-            return ((keys.astype(np.uint64) * self._MULTIPLIER) >> self._shift).astype(np.int64)
+            slots *= self._MULTIPLIER
+        slots >>= self._shift
+        return slots.view(np.int64)
+
+    def values_of(self, keys: np.ndarray) -> np.ndarray:
+        """The value of each key, or ``missing`` for a key not in the table."""
+        slots = self._home(keys)
+        found = self._keys[slots]
+        values = self._values[slots]
+        wrong = found != keys
+        if wrong.any():
+            values[wrong] = self._missing
+            pending = np.flatnonzero(wrong & (found != -1))
+            if len(pending):
+                slots = self.lookup(keys[pending])
+                values[pending] = np.where(slots < self.size, self._values[slots & (self.size - 1)],
+                                           self._missing)
+        return values
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each key, or ``size`` for a key not in the table."""
