@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_NONE = np.iinfo(np.int64).max  # rank of a pair that is not merged
+_NONE = np.iinfo(np.int32).max  # rank of a pair that is not merged
 _UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"  # native uint32 as text
 
 
@@ -45,9 +45,9 @@ class BulkMerger:
         right = np.fromiter((b for _, b in pairs), np.int64, len(pairs))
         self._base = max(int(left.max(initial=0)), int(right.max(initial=0)), max(merged, default=0),
                          max(byte_ids)) + 1
-        self._table = PairTable(left * self._base + right, np.arange(len(pairs)), _NONE)
-        self._merged_by_rank = np.asarray(merged, np.int64)
-        self._byte_ids = np.asarray(byte_ids, np.int64)
+        self._table = PairTable(left * self._base + right, np.arange(len(pairs), dtype=np.int32), _NONE)
+        self._merged_by_rank = np.asarray(merged, np.int32)
+        self._byte_ids = np.asarray(byte_ids, np.int32)
 
     @staticmethod
     def exact_for(pairs: Sequence[tuple[int, int]], merged: Sequence[int]) -> bool:
@@ -93,24 +93,28 @@ class BulkMerger:
         while True:
             best = np.minimum.reduceat(ranks, starts)
             finished = best == _NONE
-            if finished.any():
+            count = int(np.count_nonzero(finished))
+            if count * 8 >= len(best):
+                # Enough words are done to be worth taking out of the arrays.
                 at_finished = np.repeat(finished, lengths)
                 done_words.append(active[finished])
                 done_lengths.append(lengths[finished])
                 done_tokens.append(tokens[at_finished])
-                keep = ~finished
-                if not keep.any():
+                if count == len(best):
                     break
+                keep = ~finished
                 active, lengths, best = active[keep], lengths[keep], best[keep]
                 at_active = ~at_finished
                 tokens, ranks = tokens[at_active], ranks[at_active]
                 starts = np.cumsum(lengths) - lengths
+            elif count:
+                best[finished] = -1  # matches no rank: done words stay as they are
             hits = np.flatnonzero(ranks == np.repeat(best, lengths))
             hits = _without_overlaps(hits)
             tokens[hits] = self._merged_by_rank[ranks[hits]]
             keep = np.ones(len(tokens), bool)
             keep[hits + 1] = False
-            lengths = lengths - np.add.reduceat(~keep, starts, dtype=np.int64)
+            lengths = lengths - np.bincount(np.searchsorted(starts, hits, "right") - 1, minlength=len(lengths))
             tokens, ranks = tokens[keep], ranks[keep]
             starts = np.cumsum(lengths) - lengths
             # Only the pairs on either side of a new token change. Hits are at least two apart,
@@ -118,7 +122,10 @@ class BulkMerger:
             new = hits - np.arange(len(hits))
             changed = np.concatenate((new[new > 0] - 1, new))
             changed = changed[changed < len(tokens) - 1]
-            ranks[changed] = self._rank_of_keys(tokens[changed] * self._base + tokens[changed + 1])
+            keys = tokens[changed].astype(np.int64)
+            keys *= self._base
+            keys += tokens[changed + 1]
+            ranks[changed] = self._rank_of_keys(keys)
             ranks[starts + lengths - 1] = _NONE  # a word's last token starts no pair
         return self._strings(np.concatenate(done_words), np.concatenate(done_lengths),
                              np.concatenate(done_tokens))
@@ -143,8 +150,11 @@ class BulkMerger:
 
     def _pair_ranks(self, tokens: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """ranks[k]: the rank of the pair (tokens[k], tokens[k + 1]), _NONE at the last token of a word."""
-        ranks = np.empty(len(tokens), np.int64)
-        ranks[:-1] = self._rank_of_keys(tokens[:-1] * self._base + tokens[1:])
+        ranks = np.empty(len(tokens), np.int32)
+        keys = tokens[:-1].astype(np.int64)
+        keys *= self._base
+        keys += tokens[1:]
+        ranks[:-1] = self._rank_of_keys(keys)
         ranks[ends] = _NONE
         return ranks
 
@@ -154,7 +164,7 @@ class BulkMerger:
 
 class PairTable:
     """An open-addressing hash table (linear probing) of distinct non-negative int64 keys, with
-    an int64 value for each, looked up many keys at a time; an eighth full at most, so most
+    a value for each, looked up many keys at a time; an eighth full at most, so most
     lookups take one probe."""
 
     _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
@@ -179,7 +189,7 @@ class PairTable:
             left[np.flatnonzero(free)[first]] = False
             slots = np.where(free, slots, (slots + 1) & (self.size - 1))[left]
             pending = pending[left]
-        self._values = np.full(self.size, missing, np.int64)
+        self._values = np.full(self.size, missing, np.int64 if values is None else values.dtype)
         if values is not None:
             self._values[self.slots_of_keys] = values
 
