@@ -166,6 +166,33 @@ def test_ids_beyond_the_surrogate_range(trained):
     assert _ids_of("".join(map(chr, ids))) == ids
 
 
+def test_replace_placeholders():
+    from scratchlm.tokenizer.tokenizer import _replace_placeholders
+
+    first = 1000
+    tokens = ["ab", "c", "\ud800\U0010ffff", "defg"]
+    text = "".join(chr(first + k) if isinstance(k, int) else k for k in [2, "x", 0, 0, "yz", 3, 1, "w", 2])
+    expected = [ord(c) for c in text.translate({first + k: t for k, t in enumerate(tokens)})]
+    assert _replace_placeholders(text, first, tokens) == expected
+    assert _replace_placeholders("plain", first, tokens) == [ord(c) for c in "plain"]
+    assert _replace_placeholders("", first, []) == []
+
+
+def test_an_interrupted_encode_leaves_no_placeholder_in_the_cache(trained, monkeypatch):
+    tok = Tokenizer(trained.vocab, trained.merges, [EOT])
+    text = "some fresh words, and more of them<|endoftext|> here"
+
+    def interrupted(units):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tok, "_fill_cache", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tok.encode(text)
+    monkeypatch.undo()
+    assert not tok._cache and not tok._cache.missed
+    assert tok.encode(text) == trained.encode(text)
+
+
 def test_encode_iterable_keeps_the_caches_within_their_bounds(trained, tinystories_text, monkeypatch):
     from scratchlm.tokenizer import tokenizer as module
 

@@ -65,12 +65,67 @@ _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 _UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
 
 
+class _NoRoom(Exception):
+    """The unit cache reached its bound or ran out of placeholders."""
+
+
+class _UnitCache(dict):
+    """unit -> token string (chr(id) per token), handing out placeholders for missing units.
+
+    Looking up a unit that is not in the cache gives it a *placeholder*, a character past every
+    id (``first_placeholder + k`` for the k-th such unit, listed in ``missed``) that stays in the
+    cache so that the unit's later occurrences find it too. Text is thus joined into token
+    strings in one pass, cold or warm, and ``Tokenizer._flush`` later encodes the missed units
+    together and puts their tokens in place of the placeholders. A lookup that would need a
+    placeholder when the cache holds MAX_CACHE_UNITS entries, or when none is left, raises
+    ``_NoRoom``.
+    """
+
+    def __init__(self, items: dict[str, str] | None = None, first_placeholder: int = 0x110000) -> None:
+        super().__init__(items or {})
+        self.missed: list[str] = []
+        self.first_placeholder = first_placeholder
+
+    def __missing__(self, unit: str) -> str:
+        code = self.first_placeholder + len(self.missed)
+        if code > 0x10FFFF or len(self) >= MAX_CACHE_UNITS:
+            raise _NoRoom
+        self.missed.append(unit)
+        token = self[unit] = chr(code)
+        return token
+
+
 def _ids_of(chars: str) -> list[int]:
     """[ord(c) for c in chars], through a uint32 buffer (about twice as fast as map(ord))."""
     ids = array.array(_UINT32)
     # surrogatepass: ids 0xD800..0xDFFF are lone surrogates as characters.
     ids.frombytes(chars.encode(_UTF32, "surrogatepass"))
     return ids.tolist()
+
+
+def _replace_placeholders(text: str, first: int, tokens: list[str]) -> list[int]:
+    """Ids of text with each character ``first + k`` (a placeholder) replaced by tokens[k]."""
+    import numpy as np
+
+    ids = np.frombuffer(text.encode(_UTF32, "surrogatepass"), np.uint32)
+    at = np.flatnonzero(ids >= first)
+    if not len(at):
+        return ids.tolist()
+    which = ids[at].astype(np.int64) - first
+    flat = np.frombuffer("".join(tokens).encode(_UTF32, "surrogatepass"), np.uint32)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    offsets = np.cumsum(lengths) - lengths
+    count = lengths[which]  # tokens in place of each placeholder
+    size = np.ones(len(ids), np.int64)
+    size[at] = count
+    out = np.repeat(ids, size)  # each placeholder repeated as often as it has tokens
+    extra = np.cumsum(count) - count  # tokens of the placeholders before each one
+    start = at + extra - np.arange(len(at))  # where each placeholder's tokens begin in out
+    # All the placeholders' tokens at once: element e of their concatenation goes from
+    # flat[offsets[which] + t] to out[start + t], t its place within its placeholder.
+    e = np.arange(int(count.sum()))
+    out[np.repeat(start - extra, count) + e] = flat[np.repeat(offsets[which] - extra, count) + e]
+    return out.tolist()
 
 
 class Tokenizer:
@@ -144,7 +199,8 @@ class Tokenizer:
         self._special_re = special_tokens_pattern(self.special_tokens, capture=True)
         self._max_special = max((len(t) for t in self.special_tokens), default=0)
         self._pretokens: dict[str, str] = {}  # pretoken -> token string
-        self._cache: dict[str, str] = {}  # unit -> token string
+        self._first_placeholder = max(self.vocab) + 1
+        self._cache = _UnitCache(first_placeholder=self._first_placeholder)  # unit -> token string
         self._hash: str | None = None
 
     # --- construction from files -----------------------------------------------------------
@@ -257,81 +313,99 @@ class Tokenizer:
             self._bulk = BulkMerger(pairs, merged, byte_ids) if exact else False
         return self._bulk or None
 
-    def _fill_cache(self, units: set[str]) -> None:
-        """Encode units missing from the cache, with one regex pass for all of them.
+    def _fill_cache(self, units: list[str]) -> list[str]:
+        """Encode units (not yet in the cache) into the cache; their token strings, in order.
 
         The units are joined with NUL, which the joined form of GPT-2's pattern keeps as a
         pretoken of its own (``pretokenize_joined``); the tokens of the NUL byte then separate
         the units' token strings again, since no other unit's tokens contain that byte. A unit
         that holds a NUL itself goes through GPT-2's pattern alone.
         """
+        if not units:
+            return []
         pretokens = self._pretokens
         if len(pretokens) > MAX_CACHE_PRETOKENS:
             pretokens.clear()
-        units = list(units)
         joined = UNITS_SEP.join(units)
-        if joined.count(UNITS_SEP) >= len(units) > 0:
-            odd = [u for u in units if UNITS_SEP in u]
-            for unit in odd:
-                found = GPT2_RE.findall(unit)
-                self._bpe_many(set(found).difference(pretokens))
-                self._cache[unit] = "".join(map(pretokens.__getitem__, found))
-            units = [u for u in units if UNITS_SEP not in u]
-            joined = UNITS_SEP.join(units)
+        if joined.count(UNITS_SEP) >= len(units):
+            plain = [u for u in units if UNITS_SEP not in u]
+            tokens = dict(zip(plain, self._fill_cache(plain)))
+            for unit in units:
+                if UNITS_SEP in unit:
+                    found = GPT2_RE.findall(unit)
+                    self._bpe_many(set(found).difference(pretokens))
+                    tokens[unit] = self._cache[unit] = "".join(map(pretokens.__getitem__, found))
+            return [tokens[u] for u in units]
         found = pretokenize_joined(joined)
         need = set(found).difference(pretokens)
         if need:
             self._bpe_many(need)
-        tokens = "".join(map(pretokens.__getitem__, found))
-        self._cache.update(zip(units, tokens.split(self._byte_chars[0])))
+        tokens = "".join(map(pretokens.__getitem__, found)).split(self._byte_chars[0])
+        self._cache.update(zip(units, tokens))
+        return tokens
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
         """Ids of ordinary text at even indices of pieces and special tokens at odd ones.
 
-        Text goes in blocks (see ``_blocks``) and each block is cut into units. A block whose
-        units are all in the cache is done with one join; the others wait until about
-        ENCODE_BLOCK_CHARS of text have gathered, then fill the cache together (one regex pass
-        and one merge loop for all their new units) and are joined.
+        Text goes in blocks (see ``_blocks``); each block is cut into units and joined into
+        token strings through the unit cache, new units getting placeholders. About every
+        ENCODE_BLOCK_CHARS of text, ``_flush`` encodes the new units together (one regex pass
+        and one merge loop for all of them) and turns the token strings into ids.
         """
         ids: list[int] = []
         out: list[str] = []  # token strings (chr(id) per token) of the text since the last flush
-        waiting: list[tuple[int, list[str]]] = []  # (index in out, units) of blocks with misses
         size = 0
-        for k, piece in enumerate(pieces):
-            if k % 2:
-                out.append(self._special_chars[piece])
-                continue
-            for block in self._blocks(piece):
-                units = UNIT_RE.findall(block)
-                try:
-                    out.append("".join(map(self._cache.__getitem__, units)))
-                except KeyError:
-                    waiting.append((len(out), units))
-                    out.append("")
-                size += len(block)
-                if size >= ENCODE_BLOCK_CHARS:
-                    self._flush(out, waiting, ids)
-                    size = 0
-        self._flush(out, waiting, ids)
+        try:
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    out.append(self._special_chars[piece])
+                    continue
+                for block in self._blocks(piece):
+                    units = UNIT_RE.findall(block)
+                    try:
+                        out.append("".join(map(self._cache.__getitem__, units)))
+                    except _NoRoom:
+                        self._flush(out, ids)
+                        out.append(self._encode_units(units))
+                    size += len(block)
+                    if size >= ENCODE_BLOCK_CHARS:
+                        self._flush(out, ids)
+                        size = 0
+            self._flush(out, ids)
+        except BaseException:
+            # Never leave a placeholder in the cache.
+            cache = self._cache
+            for unit in cache.missed:
+                cache.pop(unit, None)
+            cache.missed = []
+            raise
         return ids
 
-    def _flush(self, out: list[str], waiting: list[tuple[int, list[str]]], ids: list[int]) -> None:
-        """Encode the waiting blocks, append the ids of out to ids, and empty out and waiting."""
-        if waiting:
-            distinct = set(waiting[0][1]).union(*(units for _, units in waiting[1:]))
-            cache = self._cache
-            missing = distinct.difference(cache)
-            if len(cache) + len(missing) > MAX_CACHE_UNITS:
-                # Keep only the units this text uses: the frequent ones are among them.
-                self._cache = {unit: cache[unit] for unit in distinct.difference(missing)}
-            self._fill_cache(missing)
-            get = self._cache.__getitem__
-            for k, units in waiting:
-                out[k] = "".join(map(get, units))
-            waiting.clear()
-        if out:
-            ids += _ids_of("".join(out))
-            out.clear()
+    def _flush(self, out: list[str], ids: list[int]) -> None:
+        """Encode the units missed since the last flush, append the ids of out to ids, empty out."""
+        text = "".join(out)
+        out.clear()
+        cache = self._cache
+        if cache.missed:
+            tokens = self._fill_cache(cache.missed)
+            cache.missed = []
+            ids += _replace_placeholders(text, cache.first_placeholder, tokens)
+        elif text:
+            ids += _ids_of(text)
+
+    def _encode_units(self, units: list[str]) -> str:
+        """Token string of units without placeholders (for when the cache has no room for them).
+
+        With the cache at its bound, it keeps only the units of this block (the frequent ones
+        are among them) and the missing ones are added: a block never evicts its own units.
+        """
+        cache = self._cache
+        distinct = set(units)
+        if len(cache) >= MAX_CACHE_UNITS:
+            kept = {unit: cache[unit] for unit in distinct if unit in cache}
+            self._cache = cache = _UnitCache(kept, self._first_placeholder)
+        self._fill_cache(list(distinct.difference(cache)))
+        return "".join(map(cache.__getitem__, units))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of text, treating special tokens as plain text."""
