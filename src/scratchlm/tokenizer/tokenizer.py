@@ -5,9 +5,10 @@ into *units* (see ``pretokenize``: runs of non-whitespace with one optional lead
 whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
 unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
-The units that blocks of text miss are handled together, about a megabyte of text at a time:
-one regex pass over all of them joined into one string, and one merge loop over all their new
-pretokens at once (``bulk_merge``, numpy). Token strings are turned into ids once per batch.
+A unit the cache lacks gets a placeholder token, so the join goes on in one pass cold or
+warm; about every megabyte of text the new units are encoded together (one regex pass over all
+of them joined into one string, one merge loop over all their new pretokens at once with
+``bulk_merge``, numpy) and their tokens replace the placeholders as the token strings become ids.
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
@@ -39,18 +40,19 @@ if TYPE_CHECKING:
 
 EOT = "<|endoftext|>"
 # Cache bounds, so memory stays flat however much text goes through (about 150-200 bytes an
-# entry: the two strings and the dict slot). When the unit cache would pass its bound it keeps
-# only the units of the text being encoded (the frequent ones are among them); the pretoken
+# entry: the two strings and the dict slot). When the unit cache reaches its bound it keeps
+# only the units of the block being encoded (the frequent ones are among them); the pretoken
 # cache, needed only for new units, is cleared. With these bounds (~50 + ~25 MB) the RSS of
-# encode_iterable levels off at ~120 MB within the first ~50 MB of text and stays there (with
-# 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB but
-# evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
+# encode_iterable levels off at ~125-135 MB within the first ~50 MB of text and stays there
+# (with 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB
+# but evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
 MAX_CACHE_UNITS = 1 << 18
 MAX_CACHE_PRETOKENS = 1 << 17
 # Fewer new pretokens than this go through the per-word merge loop rather than BulkMerger,
 # whose fixed cost per merge round only pays off over many words.
 BULK_MERGE_MIN = 256
-# encode() works on blocks of about this many characters, so memory stays proportional.
+# encode() works on blocks of about this many characters, so memory stays proportional, and
+# encodes the new units of about this much text together.
 ENCODE_BLOCK_CHARS = 1 << 20
 # encode_iterable encodes roughly this many characters at a time.
 STREAM_BLOCK_CHARS = 1 << 16
