@@ -31,6 +31,11 @@ def test_whitespace_class_is_regex_whitespace():
     assert sorted(WHITESPACE_CHARS) == ours
 
 
+def test_units_take_one_leading_whitespace_character():
+    assert UNIT_RE.findall("one\ntwo\t three\n\nfour   five\u3000six ") == [
+        "one", "\ntwo", "\t", " three", "\n", "\nfour", "  ", " five", "\u3000six", " "]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_units_never_split_a_pretoken(seed):
     text = random_text(random.Random(seed), 3000)

@@ -1,9 +1,9 @@
 """Encoding and decoding with a byte-level BPE vocabulary.
 
 Encoding splits text on special tokens (the longest wins where they overlap), cuts the rest
-into *units* (see ``pretokenize``: runs of non-whitespace with one optional leading space, and
-whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
-unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
+into *units* (see ``pretokenize``: runs of non-whitespace with one optional leading whitespace
+character, and whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a
+cache; only a unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
 A unit the cache lacks gets a placeholder token, so the join goes on in one pass cold or
 warm; about every megabyte of text the new units are encoded together (one regex pass over all
