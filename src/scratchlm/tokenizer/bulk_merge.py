@@ -40,25 +40,27 @@ class BulkMerger:
     ``byte_ids[b]`` is the id of the single byte b.
     """
 
-    def __init__(self, pairs: Sequence[tuple[int, int]], merged: Sequence[int], byte_ids: Sequence[int]) -> None:
-        left = np.fromiter((a for a, _ in pairs), np.int64, len(pairs))
-        right = np.fromiter((b for _, b in pairs), np.int64, len(pairs))
-        self._base = max(int(left.max(initial=0)), int(right.max(initial=0)), max(merged, default=0),
-                         max(byte_ids)) + 1
-        self._table = PairTable(left * self._base + right, np.arange(len(pairs), dtype=np.int32), _NONE)
-        self._merged_by_rank = np.asarray(merged, np.int32)
+    def __init__(self, pairs: Sequence[tuple[int, int]] | np.ndarray, merged: Sequence[int] | np.ndarray,
+                 byte_ids: Sequence[int]) -> None:
+        pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+        merged = np.asarray(merged, np.int64)
+        self._base = int(max(pairs.max(initial=0), merged.max(initial=0), max(byte_ids))) + 1
+        self._table = PairTable(pairs[:, 0] * self._base + pairs[:, 1], np.arange(len(pairs), dtype=np.int32),
+                                _NONE)
+        self._merged_by_rank = merged.astype(np.int32)
         self._byte_ids = np.asarray(byte_ids, np.int32)
 
     @staticmethod
-    def exact_for(pairs: Sequence[tuple[int, int]], merged: Sequence[int]) -> bool:
+    def exact_for(pairs: Sequence[tuple[int, int]] | np.ndarray, merged: Sequence[int] | np.ndarray) -> bool:
         """Whether every merge that uses a token ranks after every merge that makes it."""
-        made_last: dict[int, int] = {}
-        for rank, token in enumerate(merged):
-            made_last[token] = rank
-        for rank, (a, b) in enumerate(pairs):
-            if made_last.get(a, -1) >= rank or made_last.get(b, -1) >= rank:
-                return False
-        return True
+        pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+        merged = np.asarray(merged, np.int64)
+        if not len(merged):
+            return True
+        made_last = np.full(int(max(pairs.max(), merged.max())) + 1, -1, np.int64)
+        np.maximum.at(made_last, merged, np.arange(len(merged)))
+        rank = np.arange(len(pairs))
+        return bool((made_last[pairs[:, 0]] < rank).all() and (made_last[pairs[:, 1]] < rank).all())
 
     def merge(self, words: Sequence[bytes]) -> list[str]:
         """The merged tokens of each word (a pretoken's bytes), as a string of chr(id) per token."""

@@ -308,8 +308,11 @@ class Tokenizer:
         if self._bulk is None:
             from scratchlm.tokenizer.bulk_merge import BulkMerger  # numpy, only when needed
 
-            pairs = [(ord(pair[0]), ord(pair[1])) for pair in self._ranks]
-            merged = [ord(token) for token in self._merged.values()]
+            import numpy as np
+
+            # Pairs and merged tokens are strings of chr(id): their UTF-32 is their ids.
+            pairs = np.frombuffer("".join(self._ranks).encode(_UTF32, "surrogatepass"), np.uint32).reshape(-1, 2)
+            merged = np.frombuffer("".join(self._merged.values()).encode(_UTF32, "surrogatepass"), np.uint32)
             byte_ids = [ord(self._byte_chars[b]) for b in range(256)]
             exact = BulkMerger.exact_for(pairs, merged)
             self._bulk = BulkMerger(pairs, merged, byte_ids) if exact else False
