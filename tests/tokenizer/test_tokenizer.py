@@ -152,6 +152,7 @@ def test_long_text_is_encoded_in_blocks(trained, tinystories_text, monkeypatch):
     text = tinystories_text[:60_000] + "   spaced  out \n\n end"
     expected = trained.encode(text)
     monkeypatch.setattr(module, "ENCODE_BLOCK_CHARS", 1000)
+    monkeypatch.setattr(module, "UNIT_BLOCK_CHARS", 300)
     fresh = Tokenizer(trained.vocab, trained.merges, [EOT])
     assert fresh.encode(text) == expected
     monkeypatch.setattr(module, "MAX_CACHE_UNITS", 10)
