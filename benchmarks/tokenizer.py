@@ -6,7 +6,8 @@ For each corpus and vocabulary size:
   fresh subprocess so memory figures do not mix;
 - encoding: our Tokenizer (fresh, cold cache), then the same again (warm), vs tiktoken built
   from our own merges, one thread each, on the whole corpus, interleaved ``--encode-repeats``
-  times (best of each kept, all in the JSON); the ids must be identical;
+  times (best of each kept, all in the JSON; each pass's CPU time is recorded too); the ids
+  must be identical;
 - streaming: ``encode_iterable`` over the file object, sampling RSS as it goes (flat = constant
   memory).
 
@@ -114,18 +115,21 @@ def job_encode(corpus: str, tokenizer_dir: str, repeats: int = 3) -> dict:
                             mergeable_ranks={t: i for i, t in first.vocab.items() if i not in specials},
                             special_tokens=dict(first.special_token_ids))
     cold, warm, ref_s = [], [], []
+    cpu: dict[str, list[float]] = {"ours": [], "ours_warm": [], "tiktoken": []}
     identical = True
+
+    def timed(fn, wall: list[float], cpu_s: list[float]):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        wall.append(time.perf_counter() - start)
+        cpu_s.append(time.process_time() - start_cpu)
+        return result
+
     for _ in range(repeats):
         ours = Tokenizer.load(tokenizer_dir)
-        start = time.perf_counter()
-        ids = ours.encode(text)
-        cold.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ids_warm = ours.encode(text)
-        warm.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ref = enc.encode(text, allowed_special="all")
-        ref_s.append(time.perf_counter() - start)
+        ids = timed(lambda: ours.encode(text), cold, cpu["ours"])
+        ids_warm = timed(lambda: ours.encode(text), warm, cpu["ours_warm"])
+        ref = timed(lambda: enc.encode(text, allowed_special="all"), ref_s, cpu["tiktoken"])
         identical = identical and ids == ref and ids_warm == ref
         num_tokens = len(ids)
         del ids, ids_warm, ref
@@ -134,7 +138,11 @@ def job_encode(corpus: str, tokenizer_dir: str, repeats: int = 3) -> dict:
             "ours_s": ours_s, "ours_warm_s": warm_s, "tiktoken_s": tiktoken_s, "ours_first_s": cold[0],
             "ours_all_s": cold, "ours_warm_all_s": warm, "tiktoken_all_s": ref_s,
             "ours_mb_s": mb / ours_s, "ours_warm_mb_s": mb / warm_s, "tiktoken_mb_s": mb / tiktoken_s,
-            "warm_ratio": tiktoken_s / warm_s, "first_ratio": tiktoken_s / cold[0], **_peak_rss_mb()}
+            "warm_ratio": tiktoken_s / warm_s, "first_ratio": tiktoken_s / cold[0],
+            # CPU time of this process per pass: less sensitive than wall time to other jobs
+            # taking the cores (all three run on one thread).
+            "cpu_all_s": cpu, "cpu_ratio": min(cpu["tiktoken"]) / min(cpu["ours"]),
+            "cpu_warm_ratio": min(cpu["tiktoken"]) / min(cpu["ours_warm"]), **_peak_rss_mb()}
 
 
 def job_stream(corpus: str, tokenizer_dir: str) -> dict:
@@ -227,7 +235,8 @@ def main() -> None:
         results["encode"].append(enc)
         print(f"encode {name}: ours {enc['ours_mb_s']:.2f} MB/s cold, {enc['ours_warm_mb_s']:.2f} MB/s warm; "
               f"tiktoken {enc['tiktoken_mb_s']:.2f} MB/s -> {enc['speed_ratio']:.2f}x tiktoken cold, "
-              f"{enc['warm_ratio']:.2f}x warm, {enc['first_ratio']:.2f}x first cold pass; "
+              f"{enc['warm_ratio']:.2f}x warm, {enc['first_ratio']:.2f}x first cold pass "
+              f"(CPU time: {enc['cpu_ratio']:.2f}x cold, {enc['cpu_warm_ratio']:.2f}x warm); "
               f"identical ids: {enc['identical']} [load {enc['loadavg']}]", flush=True)
 
         if not args.skip_stream:

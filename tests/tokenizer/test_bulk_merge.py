@@ -35,6 +35,17 @@ def test_bulk_merge_equals_the_word_loop_with_gpt2_merges(gpt2_tokenizer):
     _check_against_loop(gpt2_tokenizer, _words(random.Random(1), 20_000))
 
 
+def test_merge_text_equals_merge_of_the_utf8_bytes(trained):
+    merger = trained._bulk_merger()
+    words = [w.decode("utf-8", "replace") for w in _words(random.Random(3), 5000)]
+    assert merger.merge_text(words) == merger.merge([w.encode("utf-8") for w in words])
+    ascii_words = [w for w in words if w.isascii()]
+    assert merger.merge_text(ascii_words) == merger.merge([w.encode() for w in ascii_words])
+    with_nul = words + ["a\x00b", "\x00\x00", "é\x00"]  # NUL in a word: lengths found another way
+    assert merger.merge_text(with_nul) == merger.merge([w.encode("utf-8") for w in with_nul])
+    assert merger.merge_text([]) == []
+
+
 def test_bulk_merge_single_words_and_empty_input(trained):
     merger = trained._bulk_merger()
     assert merger.merge([]) == []

@@ -31,6 +31,11 @@ def test_whitespace_class_is_regex_whitespace():
     assert sorted(WHITESPACE_CHARS) == ours
 
 
+def test_units_take_one_leading_whitespace_character():
+    assert UNIT_RE.findall("one\ntwo\t three\n\nfour   five\u3000six ") == [
+        "one", "\ntwo", "\t", " three", "\n", "\nfour", "  ", " five", "\u3000six", " "]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_units_never_split_a_pretoken(seed):
     text = random_text(random.Random(seed), 3000)
@@ -116,3 +121,25 @@ def test_ascii_pattern_equals_gpt2_on_ascii(seed):
               "42", "!?", "_", "-", "\x00", "\x7f"]
     text = "".join(rng.choice(pieces) if rng.random() < 0.7 else chr(rng.randrange(128)) for _ in range(5000))
     assert GPT2_ASCII_RE.findall(text) == GPT2_RE.findall(text)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_joined_units_pretokenize_like_each_unit(seed):
+    from scratchlm.tokenizer.pretokenize import UNITS_SEP, pretokenize_joined
+
+    rng = random.Random(seed)
+    # Mostly ASCII with a few non-ASCII units (seeds 0-2), or dense non-ASCII (3-5), so both
+    # the stdlib stretches and the grouped `regex` stretches are exercised.
+    text = random_text(rng, 20_000).replace(UNITS_SEP, "")
+    units = list(dict.fromkeys(UNIT_RE.findall(text)))
+    if seed < 3:
+        units = [u for u in units if u.isascii()] + [u for u in units if not u.isascii()][:40]
+        rng.shuffle(units)
+    expected = []
+    for unit in units:
+        expected += GPT2_RE.findall(unit) + [UNITS_SEP]
+    assert pretokenize_joined(UNITS_SEP.join(units)) == expected[:-1]
+    ascii_units = [u for u in units if u.isascii()]
+    expected = [p for u in ascii_units for p in GPT2_RE.findall(u) + [UNITS_SEP]][:-1]
+    assert pretokenize_joined(UNITS_SEP.join(ascii_units)) == expected
+    assert pretokenize_joined("") == []

@@ -37,6 +37,14 @@ def test_gpt2_matches_tiktoken_on_real_and_random_text(gpt2_tokenizer, tiktoken_
         assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
 
 
+def test_units_holding_nul_match_tiktoken(gpt2_tokenizer, tiktoken_gpt2, trained):
+    # NUL separates units in the cache fill; units that contain it take another path.
+    text = " ".join(["plain", "a\x00b", "\x00", " \x00\x00!", "x\x00", "naïve\x00", "end"] * 50)
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode(text)
+    fresh = Tokenizer(trained.vocab, trained.merges, [EOT])
+    assert fresh.encode(text) == tiktoken_from(trained).encode(text)
+
+
 def test_gpt2_ids(gpt2_tokenizer):
     assert gpt2_tokenizer.encode("Hello world<|endoftext|>") == [15496, 995, 50256]
     assert gpt2_tokenizer.vocab_size == 50257 and gpt2_tokenizer.eot_id == 50256
@@ -144,6 +152,7 @@ def test_long_text_is_encoded_in_blocks(trained, tinystories_text, monkeypatch):
     text = tinystories_text[:60_000] + "   spaced  out \n\n end"
     expected = trained.encode(text)
     monkeypatch.setattr(module, "ENCODE_BLOCK_CHARS", 1000)
+    monkeypatch.setattr(module, "UNIT_BLOCK_CHARS", 300)
     fresh = Tokenizer(trained.vocab, trained.merges, [EOT])
     assert fresh.encode(text) == expected
     monkeypatch.setattr(module, "MAX_CACHE_UNITS", 10)
@@ -156,6 +165,33 @@ def test_ids_beyond_the_surrogate_range(trained):
 
     ids = [0, 65, 0xD800, 0xDFFF, 70_000, 0x10FFFF]
     assert _ids_of("".join(map(chr, ids))) == ids
+
+
+def test_replace_placeholders():
+    from scratchlm.tokenizer.tokenizer import _replace_placeholders
+
+    first = 1000
+    tokens = ["ab", "c", "\ud800\U0010ffff", "defg"]
+    text = "".join(chr(first + k) if isinstance(k, int) else k for k in [2, "x", 0, 0, "yz", 3, 1, "w", 2])
+    expected = [ord(c) for c in text.translate({first + k: t for k, t in enumerate(tokens)})]
+    assert _replace_placeholders(text, first, tokens) == expected
+    assert _replace_placeholders("plain", first, tokens) == [ord(c) for c in "plain"]
+    assert _replace_placeholders("", first, []) == []
+
+
+def test_an_interrupted_encode_leaves_no_placeholder_in_the_cache(trained, monkeypatch):
+    tok = Tokenizer(trained.vocab, trained.merges, [EOT])
+    text = "some fresh words, and more of them<|endoftext|> here"
+
+    def interrupted(units):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tok, "_fill_cache", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tok.encode(text)
+    monkeypatch.undo()
+    assert not tok._cache and not tok._cache.missed
+    assert tok.encode(text) == trained.encode(text)
 
 
 def test_encode_iterable_keeps_the_caches_within_their_bounds(trained, tinystories_text, monkeypatch):

@@ -1,13 +1,14 @@
 """Encoding and decoding with a byte-level BPE vocabulary.
 
 Encoding splits text on special tokens (the longest wins where they overlap), cuts the rest
-into *units* (see ``pretokenize``: runs of non-whitespace with one optional leading space, and
-whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a cache; only a
-unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
+into *units* (see ``pretokenize``: runs of non-whitespace with one optional leading whitespace
+character, and whitespace runs, which no GPT-2 pretoken crosses) and looks each unit up in a
+cache; only a unit never seen before goes through GPT-2's regex and the merge loop. On real text almost every
 unit is a cache hit, so encoding costs one C-level regex pass and one dict lookup per word.
-The units a block of text misses are handled together: one regex pass over all of them, and
-one merge loop over all their new pretokens at once (``bulk_merge``, numpy), so a cold cache
-costs little more than a warm one.
+A unit the cache lacks gets a placeholder token, so the join goes on in one pass cold or
+warm; about every megabyte of text the new units are encoded together (one regex pass over all
+of them joined into one string, one merge loop over all their new pretokens at once with
+``bulk_merge``, numpy) and their tokens replace the placeholders as the token strings become ids.
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
@@ -26,12 +27,13 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 
 from typing import TYPE_CHECKING
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import (
-    GPT2_ASCII_RE, GPT2_RE, UNIT_RE, WHITESPACE_CHARS, special_tokens_pattern,
+    GPT2_RE, UNIT_RE, UNITS_SEP, pretokenize_joined, special_tokens_pattern,
 )
 
 if TYPE_CHECKING:
@@ -39,19 +41,24 @@ if TYPE_CHECKING:
 
 EOT = "<|endoftext|>"
 # Cache bounds, so memory stays flat however much text goes through (about 150-200 bytes an
-# entry: the two strings and the dict slot). When the unit cache would pass its bound it keeps
-# only the units of the text being encoded (the frequent ones are among them); the pretoken
-# cache, needed only for new units, is cleared. With these bounds (~50 + ~25 MB) the RSS of
-# encode_iterable levels off at ~120 MB within the first ~50 MB of text and stays there (with
-# 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB but
-# evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
+# entry: the two strings and the dict slot). When the unit cache reaches its bound it keeps
+# its older half (the units met first, the frequent ones among them) and the units of the
+# block being encoded; the pretoken cache, needed only for new units, is cleared. With these bounds (~50 + ~25 MB) the RSS of
+# encode_iterable levels off at ~125-135 MB within the first ~50 MB of text and stays there
+# (with 2^20 entries it was 239 MB and rising after 170 MB); halving them levels it at ~80 MB
+# but evicts part of a 10 MB corpus's 142K distinct units, which slows a second pass over it.
 MAX_CACHE_UNITS = 1 << 18
 MAX_CACHE_PRETOKENS = 1 << 17
 # Fewer new pretokens than this go through the per-word merge loop rather than BulkMerger,
 # whose fixed cost per merge round only pays off over many words.
 BULK_MERGE_MIN = 256
-# encode() works on blocks of about this many characters, so memory stays proportional.
+# encode() encodes the new units of about this many characters of text together, and turns
+# their token strings into ids, so memory stays proportional.
 ENCODE_BLOCK_CHARS = 1 << 20
+# Text is cut into units and joined block by block, blocks of about this many characters: the
+# unit strings of a small block are still in the CPU caches when the join looks them up (a
+# few percent faster than 1M-character blocks).
+UNIT_BLOCK_CHARS = 1 << 14
 # encode_iterable encodes roughly this many characters at a time.
 STREAM_BLOCK_CHARS = 1 << 16
 
@@ -65,12 +72,67 @@ _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 _UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
 
 
+class _NoRoom(Exception):
+    """The unit cache reached its bound or ran out of placeholders."""
+
+
+class _UnitCache(dict):
+    """unit -> token string (chr(id) per token), handing out placeholders for missing units.
+
+    Looking up a unit that is not in the cache gives it a *placeholder*, a character past every
+    id (``first_placeholder + k`` for the k-th such unit, listed in ``missed``) that stays in the
+    cache so that the unit's later occurrences find it too. Text is thus joined into token
+    strings in one pass, cold or warm, and ``Tokenizer._flush`` later encodes the missed units
+    together and puts their tokens in place of the placeholders. A lookup that would need a
+    placeholder when the cache holds MAX_CACHE_UNITS entries, or when none is left, raises
+    ``_NoRoom``.
+    """
+
+    def __init__(self, items: dict[str, str] | None = None, first_placeholder: int = 0x110000) -> None:
+        super().__init__(items or {})
+        self.missed: list[str] = []
+        self.first_placeholder = first_placeholder
+
+    def __missing__(self, unit: str) -> str:
+        code = self.first_placeholder + len(self.missed)
+        if code > 0x10FFFF or len(self) >= MAX_CACHE_UNITS:
+            raise _NoRoom
+        self.missed.append(unit)
+        token = self[unit] = chr(code)
+        return token
+
+
 def _ids_of(chars: str) -> list[int]:
     """[ord(c) for c in chars], through a uint32 buffer (about twice as fast as map(ord))."""
     ids = array.array(_UINT32)
     # surrogatepass: ids 0xD800..0xDFFF are lone surrogates as characters.
     ids.frombytes(chars.encode(_UTF32, "surrogatepass"))
     return ids.tolist()
+
+
+def _replace_placeholders(text: str, first: int, tokens: list[str]) -> list[int]:
+    """Ids of text with each character ``first + k`` (a placeholder) replaced by tokens[k]."""
+    import numpy as np
+
+    ids = np.frombuffer(text.encode(_UTF32, "surrogatepass"), np.uint32)
+    at = np.flatnonzero(ids >= first)
+    if not len(at):
+        return ids.tolist()
+    which = ids[at].astype(np.int64) - first
+    flat = np.frombuffer("".join(tokens).encode(_UTF32, "surrogatepass"), np.uint32)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    offsets = np.cumsum(lengths) - lengths
+    count = lengths[which]  # tokens in place of each placeholder
+    size = np.ones(len(ids), np.int64)
+    size[at] = count
+    out = np.repeat(ids, size)  # each placeholder repeated as often as it has tokens
+    extra = np.cumsum(count) - count  # tokens of the placeholders before each one
+    start = at + extra - np.arange(len(at))  # where each placeholder's tokens begin in out
+    # All the placeholders' tokens at once: element e of their concatenation goes from
+    # flat[offsets[which] + t] to out[start + t], t its place within its placeholder.
+    e = np.arange(int(count.sum()))
+    out[np.repeat(start - extra, count) + e] = flat[np.repeat(offsets[which] - extra, count) + e]
+    return out.tolist()
 
 
 class Tokenizer:
@@ -117,7 +179,16 @@ class Tokenizer:
         self._byte_chars = {b: chr(by_bytes[bytes([b])]) for b in range(256)}  # a translate table
         self._bytes_are_ids = all(self._byte_chars[b] == chr(b) for b in range(256))  # train_bpe layout
         special_ids = set(self.special_token_ids.values())
-        self._whole = {t: chr(i) for t, i in by_bytes.items() if i not in special_ids}
+        # Pretoken -> its token, for pretokens that are a token of their own (tokens whose bytes
+        # are not UTF-8 can never be a whole pretoken).
+        self._whole: dict[str, str] = {}
+        for data, i in by_bytes.items():
+            if i not in special_ids:
+                try:
+                    self._whole[data.decode("utf-8")] = chr(i)
+                except UnicodeDecodeError:
+                    pass
+        self._special_chars = {t: chr(i) for t, i in self.special_token_ids.items()}
         self._ranks: dict[str, int] = {}
         self._merged: dict[str, str] = {}
         self._bulk: BulkMerger | None | bool = None  # built on first use; False: not applicable
@@ -135,7 +206,8 @@ class Tokenizer:
         self._special_re = special_tokens_pattern(self.special_tokens, capture=True)
         self._max_special = max((len(t) for t in self.special_tokens), default=0)
         self._pretokens: dict[str, str] = {}  # pretoken -> token string
-        self._cache: dict[str, str] = {}  # unit -> token string
+        self._first_placeholder = max(self.vocab) + 1
+        self._cache = _UnitCache(first_placeholder=self._first_placeholder)  # unit -> token string
         self._hash: str | None = None
 
     # --- construction from files -----------------------------------------------------------
@@ -221,100 +293,142 @@ class Tokenizer:
                 ranks[k] = get(token + parts[k + 1], never)
         return "".join(parts)
 
-    def _bpe_many(self, pretokens: Iterable[str]) -> None:
+    def _bpe_many(self, pretokens: set[str]) -> None:
         """Add the merged token strings of pretokens to the pretoken cache."""
-        pretokens = list(pretokens)
-        encoded = [p.encode("utf-8") for p in pretokens]
         # A pretoken that is itself a token encodes as that token (tiktoken's shortcut, and
         # Hugging Face's ignore_merges).
-        tokens = list(map(self._whole.get, encoded))
-        rest = [k for k, token in enumerate(tokens) if token is None]
+        whole = self._whole
+        found = whole.keys() & pretokens
+        cache = self._pretokens
+        cache.update(zip(found, map(whole.__getitem__, found)))
+        rest = list(pretokens.difference(found))
         if len(rest) < BULK_MERGE_MIN or self._bulk_merger() is None:
-            merged = [self._merge_loop(encoded[k]) for k in rest]
+            merged = [self._merge_loop(p.encode("utf-8")) for p in rest]
         else:
-            merged = self._bulk.merge([encoded[k] for k in rest])
-        for k, token in zip(rest, merged):
-            tokens[k] = token
-        self._pretokens.update(zip(pretokens, tokens))
+            merged = self._bulk.merge_text(rest)
+        cache.update(zip(rest, merged))
 
     def _bulk_merger(self) -> BulkMerger | None:
         """The BulkMerger for these merges (built on first use), or None where it would differ."""
         if self._bulk is None:
             from scratchlm.tokenizer.bulk_merge import BulkMerger  # numpy, only when needed
 
-            pairs = [(ord(pair[0]), ord(pair[1])) for pair in self._ranks]
-            merged = [ord(token) for token in self._merged.values()]
+            import numpy as np
+
+            # Pairs and merged tokens are strings of chr(id): their UTF-32 is their ids.
+            pairs = np.frombuffer("".join(self._ranks).encode(_UTF32, "surrogatepass"), np.uint32).reshape(-1, 2)
+            merged = np.frombuffer("".join(self._merged.values()).encode(_UTF32, "surrogatepass"), np.uint32)
             byte_ids = [ord(self._byte_chars[b]) for b in range(256)]
             exact = BulkMerger.exact_for(pairs, merged)
             self._bulk = BulkMerger(pairs, merged, byte_ids) if exact else False
         return self._bulk or None
 
-    def _fill_cache(self, units: set[str]) -> None:
-        """Encode units missing from the cache, with one regex pass for all of them.
+    def _fill_cache(self, units: list[str]) -> list[str]:
+        """Encode units (not yet in the cache) into the cache; their token strings, in order.
 
-        Non-whitespace units are joined with newlines: a newline next to a non-space
-        character (or before the space that starts the next unit) is a pretoken of its own,
-        so the pretokens of the joined string are those of each unit, newline-separated; and
-        no non-whitespace unit's tokens contain the newline token, so splitting the joined
-        token string on it gives each unit's tokens back. A whitespace unit is one pretoken;
-        other ASCII units go through the faster ASCII form of the pattern.
+        The units are joined with NUL, which the joined form of GPT-2's pattern keeps as a
+        pretoken of its own (``pretokenize_joined``); the tokens of the NUL byte then separate
+        the units' token strings again, since no other unit's tokens contain that byte. A unit
+        that holds a NUL itself goes through GPT-2's pattern alone.
         """
-        pretokens_cache = self._pretokens
-        if len(pretokens_cache) > MAX_CACHE_PRETOKENS:
-            pretokens_cache.clear()
-        single = [u for u in units if u[-1] in WHITESPACE_CHARS]  # units that are one pretoken
-        words = units.difference(single)
-        ascii_words = [u for u in words if u.isascii()]
-        other_words = [u for u in words if not u.isascii()] if len(ascii_words) < len(words) else []
-        # ASCII letters or digits after an optional space are one pretoken too; their cache
-        # entries share the pretoken's string, which keeps the unit cache compact.
-        single += [u for u in ascii_words if (u[1:] if u[0] == " " else u).isalpha()
-                   or (u[1:] if u[0] == " " else u).isdigit()]
-        if len(single) > len(units) - len(words):
-            ascii_words = list(set(ascii_words).difference(single))
-        ascii_pretokens = GPT2_ASCII_RE.findall("\n".join(ascii_words)) if ascii_words else []
-        other_pretokens = GPT2_RE.findall("\n".join(other_words)) if other_words else []
-        need = set(ascii_pretokens).union(other_pretokens, single, ["\n"]).difference(pretokens_cache)
+        if not units:
+            return []
+        pretokens = self._pretokens
+        if len(pretokens) > MAX_CACHE_PRETOKENS:
+            pretokens.clear()
+        joined = UNITS_SEP.join(units)
+        if joined.count(UNITS_SEP) >= len(units):
+            plain = [u for u in units if UNITS_SEP not in u]
+            tokens = dict(zip(plain, self._fill_cache(plain)))
+            for unit in units:
+                if UNITS_SEP in unit:
+                    found = GPT2_RE.findall(unit)
+                    self._bpe_many(set(found).difference(pretokens))
+                    tokens[unit] = self._cache[unit] = "".join(map(pretokens.__getitem__, found))
+            return [tokens[u] for u in units]
+        found = pretokenize_joined(joined)
+        need = set(found).difference(pretokens)
         if need:
             self._bpe_many(need)
-        cache = self._cache
-        get = pretokens_cache.__getitem__
-        cache.update(zip(single, map(get, single)))
-        newline = pretokens_cache["\n"]
-        for group, found in ((ascii_words, ascii_pretokens), (other_words, other_pretokens)):
-            if group:
-                cache.update(zip(group, "".join(map(get, found)).split(newline)))
+        tokens = "".join(map(pretokens.__getitem__, found)).split(self._byte_chars[0])
+        self._cache.update(zip(units, tokens))
+        return tokens
 
-    def _encode_chars(self, text: str) -> str:
-        """The token string (chr(id) per token) of text without special tokens."""
-        cache = self._cache
-        units = UNIT_RE.findall(text)
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        """Ids of ordinary text at even indices of pieces and special tokens at odd ones.
+
+        Text goes in blocks of about UNIT_BLOCK_CHARS (see ``_blocks``); each block is cut into
+        units and joined into token strings through the unit cache, new units getting
+        placeholders. About every ENCODE_BLOCK_CHARS of text, ``_flush`` encodes the new units
+        together (one regex pass and one merge loop for all of them) and turns the token strings
+        into ids.
+        """
+        ids: list[int] = []
+        out: list[str] = []  # token strings (chr(id) per token) of the text since the last flush
+        size = 0
         try:
-            return "".join(map(cache.__getitem__, units))
-        except KeyError:
-            pass
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    out.append(self._special_chars[piece])
+                    continue
+                for block in self._blocks(piece):
+                    units = UNIT_RE.findall(block)
+                    try:
+                        out.append("".join(map(self._cache.__getitem__, units)))
+                    except _NoRoom:
+                        self._flush(out, ids)
+                        out.append(self._encode_units(units))
+                    size += len(block)
+                    if size >= ENCODE_BLOCK_CHARS:
+                        self._flush(out, ids)
+                        size = 0
+            self._flush(out, ids)
+        except BaseException:
+            # Never leave a placeholder in the cache.
+            cache = self._cache
+            for unit in cache.missed:
+                cache.pop(unit, None)
+            cache.missed = []
+            raise
+        return ids
+
+    def _flush(self, out: list[str], ids: list[int]) -> None:
+        """Encode the units missed since the last flush, append the ids of out to ids, empty out."""
+        text = "".join(out)
+        out.clear()
+        cache = self._cache
+        if cache.missed:
+            tokens = self._fill_cache(cache.missed)
+            cache.missed = []
+            ids += _replace_placeholders(text, cache.first_placeholder, tokens)
+        elif text:
+            ids += _ids_of(text)
+
+    def _encode_units(self, units: list[str]) -> str:
+        """Token string of units without placeholders (for when the cache has no room for them).
+
+        With the cache at its bound, it keeps its older half (the units met first, among them
+        the frequent ones) and the units of this block; then the missing ones are added, so a
+        block never evicts its own units.
+        """
+        cache = self._cache
         distinct = set(units)
-        missing = distinct.difference(cache)
-        if len(cache) + len(missing) > MAX_CACHE_UNITS:
-            # Keep only the units this text uses: the frequent ones are among them.
-            self._cache = cache = {unit: cache[unit] for unit in distinct.difference(missing)}
-        self._fill_cache(missing)
+        if len(cache) >= MAX_CACHE_UNITS:
+            kept = dict(islice(cache.items(), MAX_CACHE_UNITS // 2))
+            kept.update((unit, cache[unit]) for unit in distinct if unit in cache)
+            self._cache = cache = _UnitCache(kept, self._first_placeholder)
+        self._fill_cache(list(distinct.difference(cache)))
         return "".join(map(cache.__getitem__, units))
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of text, treating special tokens as plain text."""
-        if len(text) <= ENCODE_BLOCK_CHARS:
-            return _ids_of(self._encode_chars(text))
-        ids: list[int] = []
-        for block in self._blocks(text):
-            ids.extend(_ids_of(self._encode_chars(block)))
-        return ids
+        return self._encode_pieces([text])
 
     def _blocks(self, text: str) -> Iterator[str]:
-        """text in pieces of about ENCODE_BLOCK_CHARS, cut where encoding may restart."""
+        """text in pieces of about UNIT_BLOCK_CHARS, cut where encoding may restart."""
         start = 0
-        while len(text) - start > ENCODE_BLOCK_CHARS:
-            pos = text.find(" ", start + ENCODE_BLOCK_CHARS)
+        while len(text) - start > UNIT_BLOCK_CHARS:
+            pos = text.find(" ", start + UNIT_BLOCK_CHARS)
             while pos != -1 and (pos + 1 == len(text) or text[pos - 1].isspace() or text[pos + 1].isspace()):
                 pos = text.find(" ", pos + 1)
             if pos == -1:
@@ -326,16 +440,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of text; special tokens in it map to their single ids."""
         if self._special_re is None:
-            return self.encode_ordinary(text)
-        ids: list[int] = []
-        pieces = self._special_re.split(text)
-        special_ids = self.special_token_ids
-        for k, piece in enumerate(pieces):
-            if k % 2:
-                ids.append(special_ids[piece])
-            elif piece:
-                ids.extend(self.encode_ordinary(piece))
-        return ids
+            return self._encode_pieces([text])
+        return self._encode_pieces(self._special_re.split(text))
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Ids of the concatenation of the strings (e.g. a text file's lines), lazily.
