@@ -193,16 +193,16 @@ class MoEFFN(nn.Module):
 
         # Assignments in priority order: all first choices (token order), then all second ones.
         flat_expert = experts.t().reshape(-1)  # (k·N,)
-        flat_token = torch.arange(N, device=x.device).repeat(k)  # (k·N,)
         flat_gate = gates.t().reshape(-1).to(x.dtype)  # (k·N,)
-        A = k * N
         counts = count_per_expert(flat_expert, E)  # (E,)
-
-        # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
-        # experts' (bf16 under autocast), not necessarily x's.
         if self._use_grouped_mm(x2, logits.dtype):
             out, dropped = self._grouped_experts(x2, flat_expert, flat_gate, counts, logits.dtype)
             return self._finish(out, x2, logits, probs, experts, dropped, shape)
+
+        # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
+        # experts' (bf16 under autocast), not necessarily x's.
+        flat_token = torch.arange(N, device=x.device).repeat(k)  # (k·N,)
+        A = k * N
         order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(A, device=x.device)  # assignment -> sorted position
@@ -263,9 +263,9 @@ class MoEFFN(nn.Module):
         never depend on the routing); the last block runs to the end of the buffer, so every
         row belongs to a block and padding rows are zeros. Kept assignments and buffer rows are
         in one-to-one correspondence, so moving rows either way is a gather in the forward
-        *and* in the backward (``_dispatch`` / ``_combine``): no scatter-add, no atomics.
+        *and* in the backward (``_Dispatch`` / ``_Combine``): no scatter-add, no atomics.
         """
-        N, D, E = x2.shape[0], self.d_model, self.num_experts
+        N, E = x2.shape[0], self.num_experts
         A = flat_expert.numel()
         kept = counts if self.capacity_factor is None else counts.clamp(
             max=expert_capacity(N, E, self.top_k, self.capacity_factor))
@@ -288,12 +288,12 @@ class MoEFFN(nn.Module):
         keep = row_of < P
         gate = flat_gate * keep  # dropped assignments add nothing
 
-        buf = _dispatch(x2, assign_of % N, filled, row_of, keep, self.top_k, dtype)  # (P, D)
+        buf = _Dispatch.apply(x2, assign_of % N, filled, row_of, keep, self.top_k, dtype)  # (P, D)
         w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
         h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=offs)  # (P, 2F)
         h1, h3 = h.split(self.d_ff, dim=-1)
         y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=offs)  # (P, D)
-        out = _combine(y, gate, row_of, assign_of, filled, self.top_k)
+        out = _Combine.apply(y, gate, row_of, assign_of, filled, self.top_k)
         return out, A - keep.sum()
 
 
@@ -338,14 +338,6 @@ class _Combine(torch.autograd.Function):
             picked = y[row_of.clamp(max=y.shape[0] - 1)].view(ctx.k, N, -1)
             grad_gate = (picked * grad_out).sum(dim=-1).reshape(A).to(gate.dtype)
         return grad_y, grad_gate, None, None, None, None
-
-
-def _dispatch(x, token, filled, row_of, keep, k, dtype):
-    return _Dispatch.apply(x, token, filled, row_of, keep, k, dtype)
-
-
-def _combine(y, gate, row_of, assign_of, filled, k):
-    return _Combine.apply(y, gate, row_of, assign_of, filled, k)
 
 
 def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
