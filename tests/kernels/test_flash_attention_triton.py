@@ -312,6 +312,8 @@ def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, i
 
     from scratchlm.kernels import flash_attention_triton as fat
 
+    if fat._interpreting():
+        pytest.skip("under TRITON_INTERPRET=1 the kernels are interpreted functions, not compilable")
     fn = getattr(fat, name)
     while not isinstance(fn, JITFunction):  # autotuner / heuristics wrappers
         fn = fn.fn

@@ -313,9 +313,7 @@ if triton is not None:
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = LSE + off_bh.to(tl.int64) * N_CTX
         delta_base = DELTA + off_bh.to(tl.int64) * N_CTX
-        # fp32 whatever the launcher passed (Inductor passes a Python float as fp64, which would
-        # turn the whole softmax and the accumulator fp64).
-        sm_scale = tl.full([], sm_scale, tl.float32)
+        sm_scale = tl.full([], sm_scale, tl.float32)  # fp32 always: see _fwd_kernel
         qk_scale = sm_scale * 1.4426950408889634
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -407,9 +405,7 @@ if triton is not None:
         lse = lse * 1.4426950408889634
         k_base = K + off_b * stride_kb + off_h * stride_kh
         v_base = V + off_b * stride_vb + off_h * stride_vh
-        # fp32 whatever the launcher passed (Inductor passes a Python float as fp64, which would
-        # turn the whole softmax and the accumulator fp64).
-        sm_scale = tl.full([], sm_scale, tl.float32)
+        sm_scale = tl.full([], sm_scale, tl.float32)  # fp32 always: see _fwd_kernel
         qk_scale = sm_scale * 1.4426950408889634
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if IS_CAUSAL:
