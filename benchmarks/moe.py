@@ -79,6 +79,7 @@ def layer_command(args: argparse.Namespace) -> int:
     import torch
 
     from scratchlm.bench.harness import benchmark
+    from scratchlm.bench.profile import profile_table
     from scratchlm.model.layers import SwiGLU
     from scratchlm.model.moe import MoEFFN, grouped_mm_supported
 
@@ -129,8 +130,8 @@ def layer_command(args: argparse.Namespace) -> int:
                      "active_flops_per_token_fwd": flops, "times_ms": [t * 1e3 for t in result.times]})
         print(f"{name:40s} {result.median * 1e3:8.3f} ms  {rate / 1e6:7.2f} M tok/s  "
               f"x{ratio:.2f} of dense  ({flops / (3 * 2 * D * F):.3f}x dense active FLOPs)", flush=True)
-        if args.profile:
-            _profile_step(step, device, args.profile_rows)
+        if args.profile:  # where a case's time goes: a kernel table of 5 more steps
+            print(profile_table(step, 5, row_limit=args.profile_rows), flush=True)
         if args.json:  # after every row, so a timeout keeps what was measured
             out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "compile": args.compile, "tokens": T, "d_model": D, "d_ff": F,
@@ -138,21 +139,6 @@ def layer_command(args: argparse.Namespace) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
-
-
-def _profile_step(step, device, rows: int) -> None:
-    """Kernel-time table of a few more steps (torch.profiler): where a case's time goes."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(5):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
 
 
 # ---------------------------------------------------------------- training runs
