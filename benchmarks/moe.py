@@ -192,10 +192,11 @@ def throughput_command(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.deadline_s
     for name in _variants(args):
         left = deadline - time.monotonic()
-        if left - 15 < args.min_run_s:  # the run's own budget is left - 15 s
+        budget = left - 15  # the run's own time budget, 15 s short of the deadline for start-up
+        if budget < args.min_run_s:
             print(f"throughput: no time left for {name}; skipped")
             continue
-        proc = _launch(args, name, Path(args.runs) / "throughput" / name, args.steps, left - 15,
+        proc = _launch(args, name, Path(args.runs) / "throughput" / name, args.steps, budget,
                        [f"--trainer.log_interval={args.log_interval}", "--trainer.eval_interval=0",
                         "--trainer.eval_at_start=false"])
         try:
