@@ -165,6 +165,16 @@ def test_resume_refuses_a_different_model(cfg, tmp_path):
         run_training(other, resume=True)
 
 
+def test_resume_accepts_a_run_written_before_qkv_init_existed(cfg, tmp_path):
+    run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=8)))
+    saved = tmp_path / "run" / "config.toml"
+    text = saved.read_text()
+    assert 'qkv_init = "fused"' in text
+    saved.write_text(text.replace('qkv_init = "fused"\n', ""))  # as an older run wrote it
+    run_training(replace(cfg, model=replace(cfg.model, qkv_init="separate")), resume=True)  # init-only: accepted
+    assert [s for s, _ in _losses(tmp_path / "run")][-1] == 12
+
+
 def test_gradient_accumulation_matches_one_big_batch(cfg, tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (4, 16), generator=gen)
