@@ -72,7 +72,9 @@ class ReferenceLM(nn.Module):
         cos, sin = rope_tables(d_model // num_heads, context_length, rope_theta, None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        for module in self.modules():  # the same initialisation as scratchlm's layers
+        # The same initialisation as scratchlm's layers. qkv is one (3d, d) Linear, so q, k and v
+        # each get std sqrt(2 / (d + 3d)), which scratchlm's attention gives its q_proj, k_proj, v_proj.
+        for module in self.modules():
             if isinstance(module, nn.Linear):
                 fan_out, fan_in = module.weight.shape
                 std = math.sqrt(2.0 / (fan_in + fan_out))

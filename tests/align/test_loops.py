@@ -32,9 +32,10 @@ def test_encode_pairs_appends_eos_and_fits_the_context(tiny_policy):
 
 def test_sft_memorises_worked_solutions_and_stops(tiny_policy):
     examples = ArithmeticTask(difficulty=1).examples(4, seed=3)
-    history = sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1, max_steps=40),
+    # 60 steps: at 40 the format was learnt for only about half of the initialisation seeds.
+    history = sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1, max_steps=60),
                         optim=OptimConfig(lr=1e-2, warmup_steps=5, max_grad_norm=1.0))
-    assert len(history) == 40 and history[-1]["loss"] < 0.2 * history[0]["loss"]
+    assert len(history) == 60 and history[-1]["loss"] < 0.2 * history[0]["loss"]
     assert all(h["token_entropy"] >= 0 for h in history)
     records, summary = evaluate_policy(tiny_policy, examples, template=TEMPLATE, reward_fn=arithmetic_reward,
                                        max_new_tokens=24)

@@ -1,4 +1,5 @@
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 
 from scratchlm.infer.kv_cache import KVCache
 from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.layers import Linear
 from scratchlm.model.rope import RotaryEmbedding
 
 D, H = 16, 4
@@ -140,3 +142,29 @@ def test_flash_backends_on_gpu(backend):
     g_r = torch.autograd.grad(out_r.square().sum(), x)[0]
     g_f = torch.autograd.grad(out_f.square().sum(), x)[0]
     torch.testing.assert_close(g_f, g_r, rtol=5e-3, atol=5e-3)
+
+
+def test_qkv_init_is_the_glorot_scale_of_the_fused_projection():
+    # q, k, v are blocks of one d -> 3d map: std sqrt(2 / (d + 3d)), as torch.nn.Linear(d, 3 * d) would get
+    # with the same Glorot rule; output_proj is a d -> d map of its own: sqrt(2 / (d + d)).
+    torch.manual_seed(0)
+    d = 512
+    attn = MultiHeadSelfAttention(d, 16)
+    fused = math.sqrt(2 / (d + 3 * d))
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.std().item() == pytest.approx(fused * 0.9865, rel=0.03)  # 3σ truncation: -1.3%
+        assert proj.weight.abs().max().item() <= 3 * fused + 1e-6
+    assert attn.output_proj.weight.std().item() == pytest.approx(math.sqrt(2 / (2 * d)) * 0.9865, rel=0.03)
+    # The same draws as the per-block scale, shrunk by sqrt(2): changing the scale moved no RNG stream.
+    torch.manual_seed(0)
+    per_block = Linear(d, d)
+    torch.testing.assert_close(attn.q_proj.weight, per_block.weight * math.sqrt(0.5))
+
+
+def test_separate_qkv_init_keeps_the_per_projection_scale():
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(512, 16, qkv_init="separate")
+    torch.manual_seed(0)
+    torch.testing.assert_close(attn.q_proj.weight, Linear(512, 512).weight)
+    with pytest.raises(ValueError, match="qkv_init"):
+        MultiHeadSelfAttention(16, 4, qkv_init="xavier")

@@ -79,3 +79,12 @@ def test_silu_ffn_formula():
     assert [n for n, _ in ffn.named_parameters()] == ["w1.weight", "w2.weight"]
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     torch.testing.assert_close(ffn(x), F.linear(F.silu(F.linear(x, ffn.w1.weight)), ffn.w2.weight))
+
+
+def test_linear_init_std_override():
+    torch.manual_seed(0)
+    lin = Linear(512, 256, init_std=0.01)
+    assert lin.weight.std().item() == pytest.approx(0.01 * 0.9865, rel=0.03)
+    assert lin.weight.abs().max().item() <= 0.03 + 1e-6
+    lin.reset_parameters()  # a reset keeps the override
+    assert lin.weight.abs().max().item() <= 0.03 + 1e-6

@@ -165,6 +165,16 @@ def test_resume_refuses_a_different_model(cfg, tmp_path):
         run_training(other, resume=True)
 
 
+def test_resume_accepts_a_run_written_before_qkv_init_existed(cfg, tmp_path):
+    run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=8)))
+    saved = tmp_path / "run" / "config.toml"
+    text = saved.read_text()
+    assert 'qkv_init = "fused"' in text
+    saved.write_text(text.replace('qkv_init = "fused"\n', ""))  # as an older run wrote it
+    run_training(replace(cfg, model=replace(cfg.model, qkv_init="separate")), resume=True)  # init-only: accepted
+    assert [s for s, _ in _losses(tmp_path / "run")][-1] == 12
+
+
 def test_gradient_accumulation_matches_one_big_batch(cfg, tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (4, 16), generator=gen)
@@ -374,3 +384,47 @@ def test_evaluation_runs_the_eager_model_unless_compile_eval(cfg, tmp_path, monk
     assert calls.count(True) == 4  # every training step goes through the compiled model
     assert (calls.count(False) > 0) == compile_eval
     assert len(_losses(tmp_path / "run", "eval", "val_loss")) >= 1
+
+
+def test_steps_match_a_plain_torch_recipe_given_the_same_weights_and_batches(cfg, tmp_path):
+    """Differential check of the optimisation recipe against torch's own pieces: F.cross_entropy,
+    clip_grad_norm_, torch.optim.AdamW (β 0.9/0.95, ε 1e-8, decay on matrices only, decoupled
+    lr·λ) and warm-up + cosine written out here; update s (1-based) uses the lr of step s."""
+    import copy
+
+    cfg = replace(cfg, optim=replace(cfg.optim, grad_clip=0.5), trainer=replace(cfg.trainer, deterministic=False))
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "run")
+    model = copy.deepcopy(trainer.raw_model)
+    oc, steps = cfg.optim, cfg.trainer.max_steps
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": oc.weight_decay},
+                             {"params": vectors, "weight_decay": 0.0}],
+                            lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+
+    def lr_of(s):
+        if s < oc.warmup_steps:
+            return oc.lr * s / oc.warmup_steps
+        cos = 0.5 * (1 + math.cos(math.pi * (s - oc.warmup_steps) / (steps - oc.warmup_steps)))
+        return oc.min_lr + cos * (oc.lr - oc.min_lr)
+
+    rng = np.random.default_rng(0)
+    tokens = trainer.data.train_tokens
+    T, B = cfg.model.context_length, cfg.trainer.batch_size
+    for s in range(1, 6):
+        rows = torch.from_numpy(np.stack([tokens[i:i + T + 1] for i in rng.integers(0, len(tokens) - T - 1, B)])
+                                .astype(np.int64))
+        x, y = rows[:, :-1], rows[:, 1:]
+        trainer.data.next_batch = lambda device, batch=(x, y): batch
+        trainer._train_step()
+        for group in opt.param_groups:
+            group["lr"] = lr_of(s)
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert trainer._lr == pytest.approx(lr_of(s))
+        for (name, a), b in zip(trainer.raw_model.named_parameters(), model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} after update {s}")
+    assert trainer._lr > 0 and lr_of(steps) == pytest.approx(oc.min_lr)

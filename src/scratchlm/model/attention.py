@@ -11,6 +11,7 @@ so do "flash_triton" calls on CPU tensors (a GPU-trained checkpoint still sample
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -38,12 +39,26 @@ def load_backend(name: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor] 
     return getattr(importlib.import_module(module), cls).apply
 
 
+def qkv_init_std(d_model: int, qkv_init: str = "fused") -> float:
+    """Init std of each of q_proj, k_proj, v_proj.
+
+    "fused": the Glorot scale sqrt(2 / (d + 3d)) of the one (3·d_model, d_model) map that q, k and v
+    form, as a fused qkv Linear gets it; "separate": sqrt(2 / (d + d)), each projection on its own.
+    """
+    if qkv_init == "fused":
+        return math.sqrt(2.0 / (d_model + 3 * d_model))
+    if qkv_init == "separate":
+        return math.sqrt(2.0 / (d_model + d_model))
+    raise ValueError(f"unknown qkv_init {qkv_init!r}; choose 'fused' or 'separate'")
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Causal self-attention: x (B, T, d_model) -> (B, T, d_model).
 
     Submodules q_proj, k_proj, v_proj, output_proj (all d_model x d_model, bias-free). With a
     `rope`, queries and keys are rotated per head (d_k = d_model / num_heads). `layer_idx`
-    names this layer's slot in a KV cache.
+    names this layer's slot in a KV cache. `qkv_init` picks the init scale of q, k, v
+    (see `qkv_init_std`).
     """
 
     def __init__(
@@ -53,6 +68,7 @@ class MultiHeadSelfAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
         *,
         backend: str = "math",
+        qkv_init: str = "fused",
         layer_idx: int = 0,
         device=None,
         dtype=None,
@@ -73,9 +89,14 @@ class MultiHeadSelfAttention(nn.Module):
         # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
         # is not reliably seen by the compiled code (the Triton module imports without triton).
         self._flash = load_backend(backend)
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        # By default q, k and v are initialised as the three blocks of one d_model -> 3·d_model map,
+        # with its Glorot std 1/sqrt(2·d_model); sqrt(2 / (d_model + d_model)) each ("separate")
+        # starts the attention logits twice as large, which pretrains measurably worse
+        # (docs/benchmarks/training.md).
+        qkv_std = qkv_init_std(d_model, qkv_init)
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype, init_std=qkv_std)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype, init_std=qkv_std)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype, init_std=qkv_std)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
 
     def _split_heads(self, x: Tensor) -> Tensor:

@@ -23,6 +23,9 @@ class ModelConfig:
     ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation) or "moe"
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
     attention_backend: str = "math"  # "math" (reference), "flash_torch" or "flash_triton"
+    # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
+    # map they form (as a fused qkv nn.Linear); "separate" sqrt(2/(d+d)) each (before Dec 2026).
+    qkv_init: str = "fused"
     moe_num_experts: int = 8  # ffn="moe": routed experts per layer, each a SwiGLU of width d_ff
     moe_top_k: int = 2  # ffn="moe": experts each token is sent to
     moe_capacity_factor: float | None = None  # ffn="moe": capacity ceil(f*tokens*top_k/experts); none = dropless
@@ -53,6 +56,8 @@ class ModelConfig:
                 raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
+        if self.qkv_init not in ("fused", "separate"):
+            raise ValueError(f"model.qkv_init must be 'fused' or 'separate', got {self.qkv_init!r}")
         if self.attention_backend not in ("math", "flash_torch", "flash_triton"):
             raise ValueError(
                 "model.attention_backend must be 'math', 'flash_torch' or 'flash_triton', "

@@ -18,18 +18,21 @@ class Linear(nn.Module):
     """y = x Wᵀ with `weight` of shape (out_features, in_features); x: (..., in) -> (..., out).
 
     Initialised from a normal with std sqrt(2 / (in + out)) truncated at ±3 std (a
-    Glorot-style scale, so activations keep roughly unit variance through the stack).
+    Glorot-style scale, so activations keep roughly unit variance through the stack). `init_std`
+    replaces that std, for a matrix that is one block of a larger map (attention's q, k, v).
     """
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None, *,
+                 init_std: float | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = math.sqrt(2.0 / (self.in_features + self.out_features))
+        std = self.init_std if self.init_std is not None else math.sqrt(2.0 / (self.in_features + self.out_features))
         nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x: Tensor) -> Tensor:

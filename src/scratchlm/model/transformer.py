@@ -21,6 +21,7 @@ state_dict (default keys are listed in DESIGN.md):
   shared matrix gets the lm_head's initialisation: the N(0, 1) embedding scale would start
   training with logits of std sqrt(d_model).
 - attention_backend: "math", "flash_torch" or "flash_triton" (see attention.py); no keys change.
+- qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class TransformerBlock(nn.Module):
         use_rope: bool = True,
         ffn: str = "swiglu",
         attention_backend: str = "math",
+        qkv_init: str = "fused",
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         rope: RotaryEmbedding | None = None,
@@ -107,6 +109,7 @@ class TransformerBlock(nn.Module):
             num_heads,
             rope if use_rope else None,
             backend=attention_backend,
+            qkv_init=qkv_init,
             layer_idx=layer_idx,
             device=device,
             dtype=dtype,
@@ -152,6 +155,7 @@ class TransformerLM(nn.Module):
         ffn: str = "swiglu",
         tie_embeddings: bool = False,
         attention_backend: str = "math",
+        qkv_init: str = "fused",
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         device=None,
@@ -179,6 +183,7 @@ class TransformerLM(nn.Module):
                 use_rope=use_rope,
                 ffn=ffn,
                 attention_backend=attention_backend,
+                qkv_init=qkv_init,
                 rmsnorm_eps=rmsnorm_eps,
                 moe_options=moe_options,
                 rope=rope,
@@ -278,6 +283,7 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         ffn=cfg.ffn,
         tie_embeddings=cfg.tie_embeddings,
         attention_backend=cfg.attention_backend,
+        qkv_init=cfg.qkv_init,
         rmsnorm_eps=cfg.rmsnorm_eps,
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
         device=device,

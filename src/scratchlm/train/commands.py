@@ -61,6 +61,9 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = Fa
             engine.shutdown()
 
 
+INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights
+
+
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     """A resumed run must keep its model shape (other settings, e.g. max_steps, may change)."""
     from scratchlm.config import config_to_dict
@@ -70,7 +73,9 @@ def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
         return
     old = tomllib.loads(saved.read_text(encoding="utf-8")).get("model", {})
     new = config_to_dict(cfg.model)
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    # Fields that only choose the initialisation do not matter to a resumed run (its weights come
+    # from the checkpoint), and runs written before such a field existed do not name it.
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in INIT_ONLY)
     if changed:
         raise UserError(f"--resume: the model in {saved} differs from this config in "
                         f"{', '.join('model.' + k for k in changed)}")
