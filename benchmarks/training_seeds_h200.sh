@@ -25,12 +25,14 @@ for s in ${SEEDS:-0 1 2}; do
   wait
 done
 python3 - "$W/runs" "$OUT/seeds.json" <<'PY'
-import json, statistics, sys
+import json, re, statistics, sys
 from pathlib import Path
 
 runs, out = Path(sys.argv[1]), Path(sys.argv[2])
 final = {}
 for run in sorted(runs.iterdir()):
+    if not re.search(r"_s\d+$", run.name):  # other benchmarks' runs share the folder
+        continue
     evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
     final[run.name] = {e["step"]: e["val_loss"] for e in evals if e.get("event") == "eval"}
 seeds = sorted({name.split("_s")[-1] for name in final})
