@@ -12,7 +12,9 @@ scratchlm.bench.commands.model_flops_per_token), against the datasheet 989 TFLOP
 measured 753 TFLOP/s bf16 matmul rate of the H200.
 
 The long-context shape (vocab 151,936, context 32,768, batch 1) runs eagerly: scratchlm with
-activation checkpointing on every block and the fused LM head, against scratchlm's plain path.
+activation checkpointing on every block and the fused LM head, against the torch.nn reference
+with `torch.utils.checkpoint` around every block and full logits (the plain-PyTorch way to fit
+it), and scratchlm's own plain path. `--profile ROWS` prints each variant's top ops.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 import sys
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -81,11 +84,16 @@ class RefLM(nn.Module):
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
 
+    checkpoint_blocks = False  # torch.utils.checkpoint around every block (the long-context step)
+
     def forward(self, ids):
         T = ids.shape[1]
         x = self.embed(ids)
         for layer in self.layers:
-            x = layer(x, self.cos[:T], self.sin[:T])
+            if self.checkpoint_blocks:
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.cos[:T], self.sin[:T], use_reentrant=False)
+            else:
+                x = layer(x, self.cos[:T], self.sin[:T])
         return self.lm_head(self.norm(x))
 
 
@@ -126,6 +134,9 @@ def _scratchlm_model(shape, backend="flash_triton"):
     return build_model(cfg, device="cuda")
 
 
+PROFILE_ROWS = 0  # --profile: a kernel table of each variant after its timing
+
+
 def _measure(name, make, shape, warmup, steps, flops_token):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -146,6 +157,10 @@ def _measure(name, make, shape, warmup, steps, flops_token):
            "mfu_753": achieved / H200_BF16_MEASURED_MATMUL, "peak_gib": r.peak_memory_bytes / 2**30}
     print(f"  {name:<42}{r.median * 1e3:9.1f} ms{tokens_s:12.0f} tok/s{achieved / 1e12:8.1f} TFLOP/s"
           f"{100 * row['mfu_989']:6.1f}% /989{100 * row['mfu_753']:6.1f}% /753{row['peak_gib']:8.1f} GiB", flush=True)
+    if PROFILE_ROWS:
+        from scratchlm.bench.profile import profile_table
+
+        print(profile_table(step, 2, row_limit=PROFILE_ROWS), flush=True)
     return row
 
 
@@ -175,10 +190,28 @@ def run_shape(key, warmup, steps):
             holder["m"] = m
             return _step_fn(m, opt, x, y, _plain_loss)
 
+        def reference_ckpt(x, y):
+            torch.manual_seed(0)
+            m = RefLM(**{k: v for k, v in shape.items() if k != "batch"}).cuda()
+            m.checkpoint_blocks = True
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+            holder["m"] = m
+            return _step_fn(m, opt, x, y, _plain_loss)
+
+        ref = _measure("torch.nn + checkpointing, full logits (eager)", reference_ckpt, shape, warmup, steps,
+                       flops_token)
+        holder.clear()
+        rows.append(ref)
         rows.append(_measure("scratchlm ckpt+fused head (eager)", fused, shape, warmup, steps, flops_token))
         holder.clear()
         rows.append(_measure("scratchlm plain path (eager)", plain, shape, warmup, steps, flops_token))
         holder.clear()
+        for r in rows[1:]:
+            if "tokens_per_s" in r and "tokens_per_s" in ref:
+                r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
+                r["peak_memory_vs_reference"] = r["peak_gib"] / ref["peak_gib"]
+                print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x speed, "
+                      f"{r['peak_memory_vs_reference']:.2f}x peak memory", flush=True)
         return {"shape": key, **shape, "rows": rows}
 
     def reference(x, y):
@@ -220,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after each variant, print its ROWS most expensive ops over 2 steps (torch.profiler)")
     args = p.parse_args(argv)
+    global PROFILE_ROWS
+    PROFILE_ROWS = args.profile
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
