@@ -1,6 +1,6 @@
 """Mixture-of-experts benchmarks: the MoE layer against a dense FFN, and MoE vs dense training.
 
-    python benchmarks/moe.py layer [--compile] [--json out.json]
+    python benchmarks/moe.py layer [--compile | --cudagraphs] [--json out.json]
     python benchmarks/moe.py train --train-bin T --val-bin V --tokenizer-dir K --runs DIR [--budget-s S]
     python benchmarks/moe.py throughput --train-bin T --val-bin V --tokenizer-dir K --runs DIR [--deadline-s S]
     python benchmarks/moe.py report DIR --out OUT
@@ -10,7 +10,11 @@ autocast (as in training), at the GPT-2-small shape (d_model 768, dense SwiGLU d
 MoE of *equal active FLOPs* routes each token through ``top_k`` experts of width
 ``d_ff · 1 / top_k`` (so ``top_k · d_ff_expert = 3072``; the router's ``d_model · E`` is extra
 and counted). Each MoE variant prints its time, tokens/s and the ratio of its tokens/s to the
-dense FFN's (1.0 = as fast as the dense FFN of equal active FLOPs).
+dense FFN's (1.0 = as fast as the dense FFN of equal active FLOPs). ``--compile`` compiles every
+case with ``torch.compile``; ``--cudagraphs`` (implies ``--compile``) uses
+``mode="reduce-overhead"`` instead, which replays each case's forward and backward as CUDA
+graphs (no launch overhead between kernels), and marks the start of every step with
+``torch.compiler.cudagraph_mark_step_begin()``. Off CUDA that mode compiles without graphs.
 
 ``train``: the variants of ``VARIANTS`` (dense and MoE on the 17M preset's shape) trained
 concurrently on one GPU with ``trainer.compile``, each as its own process with a time budget
@@ -60,6 +64,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
 # ---------------------------------------------------------------- layer throughput
 
 
+def _layer_mode(compiled: bool, cudagraphs: bool) -> str:
+    """How the layer benchmark ran, for its header and the report."""
+    if cudagraphs:
+        return "compiled, CUDA graphs"
+    return "compiled" if compiled else "eager"
+
+
 def _layer_cases(d_model: int, d_ff: int) -> list[tuple[str, dict | None]]:
     """(name, MoEFFN options or None for the dense SwiGLU); every MoE has the dense active FLOPs."""
     return [
@@ -85,9 +96,10 @@ def layer_command(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     D, F, T = args.d_model, args.d_ff, args.tokens
+    compile_ = args.compile or args.cudagraphs
     rows = []
     print(f"FFN forward+backward, {T} tokens, d_model {D}, dense d_ff {F}, bf16 autocast, "
-          f"{'compiled' if args.compile else 'eager'}, {device}")
+          f"{_layer_mode(compile_, args.cudagraphs)}, {device}")
     dense_rate = None
     cases = _layer_cases(D, F)
     if args.cases:
@@ -105,11 +117,16 @@ def layer_command(args: argparse.Namespace) -> int:
             opts = dict(opts)
             module = MoEFFN(D, opts.pop("d_ff"), opts.pop("num_experts"), opts.pop("top_k"), device=device, **opts)
             flops = module.top_k * 3 * 2 * D * module.d_ff + 2 * D * module.num_experts
-        fn_module = torch.compile(module) if args.compile else module
+        if args.cudagraphs:
+            fn_module = torch.compile(module, mode="reduce-overhead")
+        else:
+            fn_module = torch.compile(module) if compile_ else module
         x = torch.randn(T, D, device=device, requires_grad=True)
         grad = torch.randn(T, D, device=device)
 
         def step(fn_module=fn_module, x=x, grad=grad, module=module):
+            if args.cudagraphs:  # a new step: the previous step's graph outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 y = fn_module(x)
             y.backward(grad.to(y.dtype))
@@ -134,8 +151,8 @@ def layer_command(args: argparse.Namespace) -> int:
             print(profile_table(step, 5, row_limit=args.profile_rows), flush=True)
         if args.json:  # after every row, so a timeout keeps what was measured
             out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   "torch": torch.__version__, "compile": args.compile, "tokens": T, "d_model": D, "d_ff": F,
-                   "rows": rows}
+                   "torch": torch.__version__, "compile": compile_, "cudagraphs": args.cudagraphs,
+                   "tokens": T, "d_model": D, "d_ff": F, "rows": rows}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
@@ -315,8 +332,9 @@ def report_command(args: argparse.Namespace) -> int:
             f"{fmt(v.get('moe_router_entropy'), '.3f')} |")
     layer_lines = []
     for key, layer in result["layer"].items():
-        layer_lines.append(f"\n{key}: {layer.get('device')}, torch {layer.get('torch')}, "
-                           f"{'compiled' if layer.get('compile') else 'eager'}, {layer.get('tokens')} tokens\n")
+        mode = _layer_mode(layer.get("compile"), layer.get("cudagraphs"))
+        layer_lines.append(f"\n{key}: {layer.get('device')}, torch {layer.get('torch')}, {mode}, "
+                           f"{layer.get('tokens')} tokens\n")
         layer_lines.append("| FFN | ms (fwd+bwd) | M tok/s | x dense |\n|---|---|---|---|")
         for r in layer["rows"]:
             if "error" in r:
@@ -343,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--warmup", type=int, default=5)
     s.add_argument("--compile", action="store_true")
+    s.add_argument("--cudagraphs", action="store_true",
+                   help='compile with mode="reduce-overhead" (CUDA graphs); implies --compile')
     s.add_argument("--cases", help="comma-separated indices of the cases to run (0 = dense), default all")
     s.add_argument("--profile", action="store_true", help="after each case, a profiler table of 5 more steps")
     s.add_argument("--profile-rows", type=int, default=15)

@@ -2,14 +2,16 @@
 # The MoE benchmark of docs/benchmarks/moe.md on one H200, in under 9 minutes:
 #   1. the MoE layer vs a dense SwiGLU of equal active FLOPs at the GPT-2-small shape (eager);
 #   2. each training variant alone for a short eager run: isolated tokens/s;
-#   3. the layer benchmark compiled (dense, 8x top-2 dropless and capacity 1.25, grouped GEMM);
+#   3. the layer benchmark compiled (dense, 8x top-2 dropless and capacity 1.25, grouped GEMM),
+#      then the same cases compiled with CUDA graphs (mode="reduce-overhead");
 #   4. dense vs MoE variants on the Gutenberg books at the 17M preset's shape, all at once on the
 #      GPU with trainer.compile, 40.96M tokens each or as many as the time left allows (each run
 #      stops at its time budget, evaluates and logs, so every variant reports);
 #   5. the report: $OUT/moe_results.{md,json} and the run logs.
 # Inputs (environment): TRAIN_BIN, VAL_BIN (encoded token files), TOKENIZER_DIR, OUT.
 # Knobs, defaults for the H200: CONFIG, TOKENS (40960000), BATCH_SIZE (32), CONTEXT (256),
-# EXTRA (overrides for every training run), LAYER_ARGS, LAYER_COMPILE (1), TRAIN_COMPILE (1),
+# EXTRA (overrides for every training run), LAYER_ARGS, LAYER_COMPILE (1; 0 skips step 3's plain
+# compiled run), LAYER_CUDAGRAPHS (1; 0 skips step 3's CUDA-graph run), TRAIN_COMPILE (1),
 # THROUGHPUT_STEPS (300; 0 skips step 2), TIME_LIMIT_S (540), RUNS (/tmp/moe_runs), BEFORE_TRAINING (a
 # command started in the background before step 4, e.g. another job sharing the GPU).
 set -uo pipefail
@@ -25,6 +27,7 @@ CONTEXT=${CONTEXT:-256}
 EXTRA=${EXTRA:-}
 LAYER_ARGS=${LAYER_ARGS:-}
 LAYER_COMPILE=${LAYER_COMPILE:-1}
+LAYER_CUDAGRAPHS=${LAYER_CUDAGRAPHS:-1}
 TRAIN_COMPILE=${TRAIN_COMPILE:-1}
 THROUGHPUT_STEPS=${THROUGHPUT_STEPS:-300}
 TIME_LIMIT_S=${TIME_LIMIT_S:-540}
@@ -51,6 +54,12 @@ if [ "$LAYER_COMPILE" = 1 ]; then
   # shellcheck disable=SC2086
   timeout 80 $PY benchmarks/moe.py layer --compile --cases 0,1,3 --json "$RUNS/layer_compiled.json" $LAYER_ARGS \
     2>&1 | tee "$RUNS/layer_compiled.log"
+fi
+if [ "$LAYER_CUDAGRAPHS" = 1 ]; then
+  echo "== 3. layer, compiled with CUDA graphs ($(left) s left)"
+  # shellcheck disable=SC2086
+  timeout 80 $PY benchmarks/moe.py layer --cudagraphs --cases 0,1,3 --json "$RUNS/layer_cudagraphs.json" \
+    $LAYER_ARGS 2>&1 | tee "$RUNS/layer_cudagraphs.log"
 fi
 
 # What is left, less the evaluation after the budget, the report and a margin.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from scratchlm.errors import UserError
+from scratchlm.model.functional import silu
 from scratchlm.model.layers import SwiGLU
 from scratchlm.model.moe import MoEFFN, expert_capacity, grouped_mm_supported, moe_aux_loss, moe_reference
 
@@ -300,6 +301,58 @@ def test_grouped_mm_path_under_bf16_autocast_on_cpu():
     y.float().sum().backward()
     assert moe.w1.grad is not None and moe.w1.grad.dtype == torch.float32
     torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+def _kept_in_priority_order(assignments: list[int], capacity: int) -> list[bool]:
+    """Whether each assignment (in the order given) finds room: a plain running count per expert."""
+    seen: dict[int, int] = {}
+    kept = []
+    for e in assignments:
+        kept.append(seen.get(e, 0) < capacity)
+        seen[e] = seen.get(e, 0) + 1
+    return kept
+
+
+@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("top_k,capacity_factor", [(2, 0.5), (1, 0.75), (3, 0.75)])
+def test_grouped_mm_routing_under_skew_keeps_assignments_in_priority_order(top_k, capacity_factor):
+    """Every token wants experts 0 and 1 (some 0 first, some 1 first), far beyond their capacity:
+    the grouped path must keep exactly the first C assignments of each expert, first choices in
+    token order, then second choices."""
+    torch.manual_seed(0)
+    E, N = 4, 90
+    moe = MoEFFN(D, F, E, top_k, capacity_factor=capacity_factor, gemm="grouped_mm")
+    v, u = torch.randn(D), torch.randn(D)
+    with torch.no_grad():
+        moe.router.weight[0] = 2.0 * v
+        moe.router.weight[1] = 2.0 * v + u
+    x = torch.randn(N, D) + v
+    y = moe(x)
+
+    gates, experts = torch.softmax(x @ moe.router.weight.t(), dim=-1).topk(top_k, dim=-1)
+    if moe.renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    C = expert_capacity(N, E, top_k, capacity_factor)
+    priority = experts.t().reshape(-1).tolist()  # first choices in token order, then second ones
+    assert min(priority.count(0), priority.count(1)) > 1.5 * C, "the test needs experts 0 and 1 to overflow"
+    kept = torch.tensor(_kept_in_priority_order(priority, C)).view(top_k, N)
+    # The data must tell priority orders apart: later tokens first, or later choices first, keep others.
+    by_reversed_tokens = torch.tensor(_kept_in_priority_order(experts.flip(0).t().reshape(-1).tolist(), C))
+    by_reversed_choices = torch.tensor(_kept_in_priority_order(experts.flip(1).t().reshape(-1).tolist(), C))
+    assert not torch.equal(by_reversed_tokens.view(top_k, N).flip(1), kept)
+    if top_k > 1:
+        assert not torch.equal(by_reversed_choices.view(top_k, N).flip(0), kept)
+
+    every_expert = torch.stack([(silu(x @ moe.w1[e].t()) * (x @ moe.w3[e].t())) @ moe.w2[e].t()
+                                for e in range(E)])  # (E, N, D)
+    expected = torch.zeros(N, D)
+    for j in range(top_k):
+        chosen = every_expert[experts[:, j], torch.arange(N)]  # (N, D)
+        expected = expected + torch.where(kept[j, :, None], chosen * gates[:, j, None], torch.zeros(()))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, moe_reference(moe, x)[0], rtol=1e-5, atol=1e-5)
+    assert moe.last_aux["dropped_fraction"].item() == pytest.approx((~kept).float().mean().item())
+    assert torch.all(y[~kept.any(dim=0)] == 0)
 
 
 def test_auto_gemm_uses_the_portable_path_on_cpu_and_bad_gemm_is_an_error(monkeypatch):

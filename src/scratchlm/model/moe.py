@@ -8,8 +8,9 @@ renormalised top-1 gate is always 1 and the router would then learn from the aux
 alone).
 Shared experts, when present, see every token with weight 1.
 
-Dispatch never loops over tokens. The (token, choice) assignments are sorted by expert so
-each expert's tokens are one contiguous block, and each block is one matrix multiply:
+Dispatch never loops over tokens. The (token, choice) assignments are grouped by expert (a
+stable sort, or a running count for the grouped GEMM) so each expert's tokens are one
+contiguous block, and each block is one matrix multiply:
 
 - with a capacity factor, every expert takes at most ``C = ceil(capacity_factor · N · k / E)``
   assignments; blocks are padded to ``C`` and all experts run as one batched ``torch.bmm``
@@ -25,7 +26,9 @@ each expert's tokens are one contiguous block, and each block is one matrix mult
 - grouped GEMM (``gemm="grouped_mm"``; by default on CUDA whenever the experts compute in
   bf16, as under autocast): both modes become two ``torch._grouped_mm`` calls (w1 and w3 as one
   stacked matrix, then w2) over the expert blocks laid end to end, each block padded to a
-  multiple of 16 rows (the kernel's alignment) and cut to its capacity when there is one. The
+  multiple of 16 rows (the kernel's alignment) and cut to its capacity when there is one. No
+  sort: an assignment's place in its expert's block is its rank among that expert's
+  assignments in priority order, a cumulative sum over one-hot (assignment, expert) rows. The
   block offsets stay on the device, so neither mode synchronises with the host, and capacity
   costs only the FLOPs of the kept assignments, not ``E · C`` rows.
 
@@ -194,10 +197,10 @@ class MoEFFN(nn.Module):
         # Assignments in priority order: all first choices (token order), then all second ones.
         flat_expert = experts.t().reshape(-1)  # (k·N,)
         flat_gate = gates.t().reshape(-1).to(x.dtype)  # (k·N,)
-        counts = count_per_expert(flat_expert, E)  # (E,)
         if self._use_grouped_mm(x2, logits.dtype):
-            out, dropped = self._grouped_experts(x2, flat_expert, flat_gate, counts, logits.dtype)
+            out, dropped = self._grouped_experts(x2, flat_expert, flat_gate, logits.dtype)
             return self._finish(out, x2, logits, probs, experts, dropped, shape)
+        counts = count_per_expert(flat_expert, E)  # (E,)
 
         # ys: (A, D) expert output per sorted assignment, zero where dropped. Its dtype is the
         # experts' (bf16 under autocast), not necessarily x's.
@@ -254,19 +257,25 @@ class MoEFFN(nn.Module):
         return (self.gemm == "auto" and x2.is_cuda and compute_dtype == torch.bfloat16 and grouped_mm_supported()
                 and self.d_model % 8 == 0 and self.d_ff % 8 == 0)  # 16-byte row strides
 
-    def _grouped_experts(self, x2: Tensor, flat_expert: Tensor, flat_gate: Tensor, counts: Tensor,
+    def _grouped_experts(self, x2: Tensor, flat_expert: Tensor, flat_gate: Tensor,
                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Routed output (N, D) and dropped count through two grouped GEMMs.
 
         Assignment ``a`` (priority order, token ``a % N``) of expert ``e`` goes to row
-        ``block_start[e] + slot`` of a buffer of ``P`` rows (a bound of static size, so shapes
-        never depend on the routing); the last block runs to the end of the buffer, so every
-        row belongs to a block and padding rows are zeros. Kept assignments and buffer rows are
-        in one-to-one correspondence, so moving rows either way is a gather in the forward
-        *and* in the backward (``_Dispatch`` / ``_Combine``): no scatter-add, no atomics.
+        ``block_start[e] + rank`` of a buffer of ``P`` rows (a bound of static size, so shapes
+        never depend on the routing), where ``rank`` counts the assignments of ``e`` before
+        ``a``: a cumulative sum over one-hot rows, no sort. The last block runs to the end of
+        the buffer, so every row belongs to a block and padding rows are zeros. Kept
+        assignments and buffer rows are in one-to-one correspondence, so moving rows either
+        way is a gather in the forward *and* in the backward (``_Dispatch`` / ``_Combine``):
+        no scatter-add, no atomics.
         """
         N, E = x2.shape[0], self.num_experts
         A = flat_expert.numel()
+        one_hot = (flat_expert[:, None] == torch.arange(E, device=x2.device)).to(torch.int32)  # (A, E)
+        seen = torch.cumsum(one_hot, 0, dtype=torch.int32)  # (A, E) assignments of e up to a
+        rank = seen.gather(1, flat_expert[:, None]).squeeze(1) - 1  # (A,) place within its expert
+        counts = seen[-1]  # (E,)
         kept = counts if self.capacity_factor is None else counts.clamp(
             max=expert_capacity(N, E, self.top_k, self.capacity_factor))
         blocks = (kept + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
@@ -274,18 +283,13 @@ class MoEFFN(nn.Module):
         P = (A + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN + E * GROUP_ALIGN
         offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)  # (E,) block ends
 
-        order = torch.sort(flat_expert, stable=True).indices  # sorted position -> assignment
-        sorted_expert = flat_expert[order]
-        slot = torch.arange(A, device=x2.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
-        keep_sorted = slot < kept[sorted_expert]
-        row_sorted = torch.where(keep_sorted, (ends - blocks)[sorted_expert] + slot, P)  # P: dropped
-        row_of = torch.empty_like(row_sorted)
-        row_of[order] = row_sorted  # (A,) assignment -> buffer row, or P when dropped
-        assign_of = torch.full((P + 1,), A, device=x2.device, dtype=order.dtype)
-        assign_of[row_sorted] = order  # dropped ones all land on the extra entry P, cut below
+        keep = rank < kept[flat_expert]
+        # (A,) assignment -> buffer row, or P when dropped
+        row_of = torch.where(keep, (ends - blocks)[flat_expert] + rank, P)
+        assign_of = torch.full((P + 1,), A, device=x2.device, dtype=row_of.dtype)
+        assign_of[row_of] = torch.arange(A, device=x2.device)  # dropped ones all land on the extra entry P
         assign_of = assign_of[:P]  # (P,) buffer row -> assignment, or A for padding
         filled = assign_of < A
-        keep = row_of < P
         gate = flat_gate * keep  # dropped assignments add nothing
 
         buf = _Dispatch.apply(x2, assign_of % N, filled, row_of, keep, self.top_k, dtype)  # (P, D)
@@ -344,7 +348,8 @@ def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]
     """Naive MoE forward with ``module``'s weights: one masked pass per expert, no sorting.
 
     Capacity uses a running count per expert over the assignments in priority order (a
-    cumulative sum of one-hot rows) instead of the sorted slots of ``MoEFFN.forward``.
+    cumulative sum of one-hot rows) instead of the sorted slots of ``MoEFFN.forward``'s
+    portable paths.
     Returns (y like x, router stats as in ``MoEFFN.last_aux``).
     """
     shape = x.shape
