@@ -43,6 +43,21 @@ def test_functional_form_has_autograd():
     assert q.grad is not None and k.grad.shape == k.shape
 
 
+def test_output_is_laid_out_like_sdpa_so_merging_heads_is_a_view():
+    # (B, H, T, d) in, whatever the inputs' layout: the output's memory is (B, T, H, d), so
+    # out.transpose(1, 2).reshape(B, T, H * d) costs no copy, eagerly and in the fake kernel.
+    q, k, v = [torch.randn(2, 3, 17, 16, requires_grad=True) for _ in range(3)]
+    out = flash_attention(q, k, v, True)
+    assert out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fq = torch.empty(2, 3, 17, 16)
+        fake_out = flash_attention(fq, fq, fq, True)
+    assert fake_out.stride() == out.stride()
+
+
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError):
         FlashAttentionTriton.apply(torch.randn(2, 4, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8))

@@ -99,6 +99,16 @@ def _alloc_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def _alloc_out(q: torch.Tensor) -> torch.Tensor:
+    # The output of (B, H, T, d) inputs is laid out (B, T, H, d) in memory, as PyTorch's SDPA
+    # kernels do, whatever q's layout: the model's transpose back to (B, T, H·d) is then a view
+    # and not a copy per layer. The fake kernel uses the same rule.
+    if q.dim() == 4:
+        B, H, T, D = q.shape
+        return torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return _alloc_like(q)
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     t = t if t.stride(-1) == 1 else t.contiguous()
     return t.unsqueeze(1) if t.dim() == 3 else t
@@ -106,7 +116,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _alloc_like(q)
+    out = _alloc_out(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, out))
     lse3 = lse.unsqueeze(1) if q.dim() == 3 else lse
@@ -573,7 +583,7 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if _can_use_triton(q):
         return _forward_triton(q, k, v, is_causal)
     out, lse = flash_attention_forward_torch(q, k, v, is_causal)
-    return out, lse.float()
+    return _alloc_out(q).copy_(out), lse.float()
 
 
 def _backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -589,7 +599,7 @@ def _backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def _forward_fake(q, k, v, is_causal):
     _check_inputs(q, k, v)
-    return _alloc_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _alloc_out(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _backward_fake(grad_out, q, k, v, out, lse, is_causal):
