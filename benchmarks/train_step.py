@@ -192,7 +192,8 @@ def run_shape(key, warmup, steps):
 
         def reference_ckpt(x, y):
             torch.manual_seed(0)
-            m = RefLM(**{k: v for k, v in shape.items() if k != "batch"}).cuda()
+            with torch.device("cuda"):  # 2.3B parameters: initialised on the GPU, not on the host
+                m = RefLM(**{k: v for k, v in shape.items() if k != "batch"})
             m.checkpoint_blocks = True
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
             holder["m"] = m
