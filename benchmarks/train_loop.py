@@ -13,7 +13,8 @@ What is timed is the real thing on each side, on the same random token file:
 
 Steps run back to back (as in training) and the device is synchronised once per window of
 `--steps`; the figure is the median window. `--profile` prints each side's ten most expensive
-CUDA kernels over one window (torch.profiler), to see where a step's time goes.
+CUDA kernels over one window (torch.profiler), to see where a step's time goes; `--step-trace`
+lists one step's top-level host ops and CUDA-graph launches in order (what runs outside graphs).
 """
 
 from __future__ import annotations
@@ -90,6 +91,28 @@ def _host_profile(step_fn, steps: int) -> dict:
     return {"runtime_calls_per_step": runtime, "host_ms_under_cprofile": host_ms, "python_top": text.getvalue()}
 
 
+def _step_trace(step_fn) -> list[tuple[int, str]]:
+    """The host-side sequence of one step: top-level ops and CUDA-graph launches in time order,
+    runs of the same name collapsed to (count, name). Shows what runs outside the graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    seq: list[list] = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if e.cpu_parent is not None and e.name != "cudaGraphLaunch":
+            continue
+        if seq and seq[-1][1] == e.name:
+            seq[-1][0] += 1
+        else:
+            seq.append([1, e.name])
+    return [(n, name) for n, name in seq]
+
+
 def scratchlm_step(bin_path: str, batch: int, overrides: list[str], out_dir: str):
     from scratchlm.config import load_config
     from scratchlm.train.config import TrainConfig
@@ -146,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-cudagraphs", action="store_true",
                    help="also time the reference compiled with mode='reduce-overhead'")
     p.add_argument("--host-profile", action="store_true", help="CUDA runtime calls and Python hot spots")
+    p.add_argument("--step-trace", action="store_true",
+                   help="the top-level host ops and CUDA-graph launches of one step, in order")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             calls = sorted(row["host"]["runtime_calls_per_step"].items(), key=lambda kv: -kv[1])
             print("    runtime calls/step: " + ", ".join(f"{k} {v:.0f}" for k, v in calls[:12]), flush=True)
             print(row["host"]["python_top"][-3500:], flush=True)
+        if args.step_trace:
+            row["step_trace"] = _step_trace(step)
+            print("    one step: " + ", ".join(f"{n}x {name[:60]}" for n, name in row["step_trace"]), flush=True)
         torch.cuda.reset_peak_memory_stats()
     ref = next((r for r in results["rows"] if r["variant"] == "reference"), None)
     if ref is None:
