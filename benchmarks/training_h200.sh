@@ -7,12 +7,7 @@
 # SCRATCHLM_OVERRIDES: extra `scratchlm train` overrides of the timed run (default: the fused
 # attention kernel and CUDA graphs); ABLATIONS=0 skips the four ablation runs.
 set -euo pipefail
-export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-W=/tmp/gutenberg
-C=.carry/gutenberg
-mkdir -p "$W" "$OUT"
-W="$W" bash benchmarks/prepare_gutenberg.sh
+source benchmarks/gutenberg_setup.sh
 common=(--data.train_path="$W/train_00.bin" --data.val_path="$W/valid.bin" --data.tokenizer_dir="$C/tokenizer"
         --trainer.compile=true --trainer.checkpoint_interval=0 --trainer.sample_tokens=128)
 read -r -a tuned <<< "${SCRATCHLM_OVERRIDES---model.attention_backend=flash_triton --trainer.compile_mode=reduce-overhead}"

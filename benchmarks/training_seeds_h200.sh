@@ -6,12 +6,7 @@
 # Inputs as for training_h200.sh (.carry/gutenberg). SCRATCHLM_OVERRIDES: extra `scratchlm train`
 # overrides (default: math attention with CUDA graphs). Writes $OUT/seeds.json and the logs.
 set -euo pipefail
-export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-W=/tmp/gutenberg
-C=.carry/gutenberg
-mkdir -p "$W" "$OUT"
-W="$W" bash benchmarks/prepare_gutenberg.sh
+source benchmarks/gutenberg_setup.sh
 read -r -a tuned <<< "${SCRATCHLM_OVERRIDES---model.attention_backend=math --trainer.compile_mode=reduce-overhead}"
 for s in ${SEEDS:-0 1 2}; do
   timeout 240 python3 -m scratchlm train configs/tinystories-17m.toml --data.train_path="$W/train_00.bin" \
