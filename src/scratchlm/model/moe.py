@@ -291,13 +291,14 @@ class MoEFFN(nn.Module):
         assign_of = assign_of[:P]  # (P,) buffer row -> assignment, or A for padding
         filled = assign_of < A
         gate = flat_gate * keep  # dropped assignments add nothing
+        row = row_of.clamp(max=P - 1)  # (A,) a valid row for every assignment; dropped ones gate 0 / masked
 
-        buf = _Dispatch.apply(x2, assign_of % N, filled, row_of, keep, self.top_k, dtype)  # (P, D)
+        buf = _Dispatch.apply(x2, assign_of % N, filled, row, keep, self.top_k, dtype)  # (P, D)
         w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
         h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=offs)  # (P, 2F)
         h1, h3 = h.split(self.d_ff, dim=-1)
         y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=offs)  # (P, D)
-        out = _Combine.apply(y, gate, row_of, assign_of, filled, self.top_k)
+        out = _Combine.apply(y, gate, row, assign_of, filled, self.top_k)
         return out, A - keep.sum()
 
 
@@ -305,33 +306,32 @@ class _Dispatch(torch.autograd.Function):
     """buf[r] = x[token[r]] (zero where not filled); backward sums each token's k rows back."""
 
     @staticmethod
-    def forward(ctx, x, token, filled, row_of, keep, k, dtype):
-        ctx.save_for_backward(row_of, keep)
+    def forward(ctx, x, token, filled, row, keep, k, dtype):
+        ctx.save_for_backward(row, keep)
         ctx.k, ctx.x_dtype = k, x.dtype
         return torch.where(filled[:, None], x[token].to(dtype), x.new_zeros((), dtype=dtype))
 
     @staticmethod
     def backward(ctx, grad_buf):
-        row_of, keep = ctx.saved_tensors
-        rows = row_of.clamp(max=grad_buf.shape[0] - 1)
-        picked = torch.where(keep[:, None], grad_buf[rows], grad_buf.new_zeros(()))  # (A, D)
+        row, keep = ctx.saved_tensors
+        picked = torch.where(keep[:, None], grad_buf[row], grad_buf.new_zeros(()))  # (A, D)
         grad_x = picked.to(ctx.x_dtype).view(ctx.k, -1, grad_buf.shape[1]).sum(dim=0)
         return grad_x, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """out[n] = sum_j gate[j·N+n] · y[row_of[j·N+n]]; every gradient is a gather too."""
+    """out[n] = sum_j gate[j·N+n] · y[row[j·N+n]]; every gradient is a gather too."""
 
     @staticmethod
-    def forward(ctx, y, gate, row_of, assign_of, filled, k):
-        ctx.save_for_backward(y, gate, row_of, assign_of, filled)
+    def forward(ctx, y, gate, row, assign_of, filled, k):
+        ctx.save_for_backward(y, gate, row, assign_of, filled)
         ctx.k = k
-        picked = y[row_of.clamp(max=y.shape[0] - 1)]  # (A, D); dropped ones have gate 0
+        picked = y[row]  # (A, D); dropped ones have gate 0
         return (picked * gate[:, None]).view(k, -1, y.shape[1]).sum(dim=0)
 
     @staticmethod
     def backward(ctx, grad_out):
-        y, gate, row_of, assign_of, filled = ctx.saved_tensors
+        y, gate, row, assign_of, filled = ctx.saved_tensors
         A, N = gate.shape[0], grad_out.shape[0]
         grad_y = grad_gate = None
         if ctx.needs_input_grad[0]:
@@ -339,7 +339,7 @@ class _Combine(torch.autograd.Function):
             row_gate = torch.where(filled, gate[a], gate.new_zeros(()))  # (P,)
             grad_y = (grad_out[a % N] * row_gate[:, None]).to(y.dtype)
         if ctx.needs_input_grad[1]:
-            picked = y[row_of.clamp(max=y.shape[0] - 1)].view(ctx.k, N, -1)
+            picked = y[row].view(ctx.k, N, -1)
             grad_gate = (picked * grad_out).sum(dim=-1).reshape(A).to(gate.dtype)
         return grad_y, grad_gate, None, None, None, None
 
