@@ -164,6 +164,16 @@ def _measure(name, make, shape, warmup, steps, flops_token):
     return row
 
 
+def _compare(ref: dict, rows: list[dict]) -> None:
+    """Add each measured row's speed and peak-memory ratios to the reference row, and print them."""
+    for r in rows:
+        if "tokens_per_s" in r and "tokens_per_s" in ref:
+            r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            r["peak_memory_vs_reference"] = r["peak_gib"] / ref["peak_gib"]
+            print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x speed, "
+                  f"{r['peak_memory_vs_reference']:.2f}x peak memory", flush=True)
+
+
 def run_shape(key, warmup, steps):
     from scratchlm.optim.adamw import AdamW
     from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
@@ -207,12 +217,7 @@ def run_shape(key, warmup, steps):
         holder.clear()
         rows.append(_measure("scratchlm plain path (eager)", plain, shape, warmup, steps, flops_token))
         holder.clear()
-        for r in rows[1:]:
-            if "tokens_per_s" in r and "tokens_per_s" in ref:
-                r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
-                r["peak_memory_vs_reference"] = r["peak_gib"] / ref["peak_gib"]
-                print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x speed, "
-                      f"{r['peak_memory_vs_reference']:.2f}x peak memory", flush=True)
+        _compare(ref, rows[1:])
         return {"shape": key, **shape, "rows": rows}
 
     def reference(x, y):
@@ -240,10 +245,7 @@ def run_shape(key, warmup, steps):
     b = _measure("scratchlm (flash_triton, torch fused AdamW)", ours("torch_fused"), shape, warmup, steps,
                  flops_token)
     rows = [ref, a, b]
-    for r in (a, b):
-        if "tokens_per_s" in r and "tokens_per_s" in ref:
-            r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
-            print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x", flush=True)
+    _compare(ref, [a, b])
     holder.clear()
     return {"shape": key, **shape, "rows": rows}
 
