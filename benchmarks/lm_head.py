@@ -3,7 +3,9 @@
     python benchmarks/lm_head.py [--json out.json]
 
 Forward + backward of the loss w.r.t. hidden states and the head weight, bf16 hidden states
-and weight (as under autocast), on the shapes of the train-step benchmarks.
+and weight (as under autocast), on the shapes of the train-step benchmarks. "plain" runs eagerly,
+"compiled" is the same function under torch.compile (as in the train-step reference), "fused" is
+scratchlm's chunked head (its per-chunk softmax gradient compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         t = torch.randint(0, vocab, (n,), device="cuda")
         base = torch.cuda.memory_allocated()
         results = {}
-        for name, fn in (("plain", _plain), ("fused", fused_linear_cross_entropy)):
+        compiled = torch.compile(_plain, dynamic=False)  # what the train-step reference runs
+        for name, fn in (("plain", _plain), ("compiled", compiled), ("fused", fused_linear_cross_entropy)):
             def step():
                 loss = fn(h, w, t)
                 torch.autograd.grad(loss, (h, w))

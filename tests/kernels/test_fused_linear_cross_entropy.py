@@ -74,6 +74,22 @@ def test_gpu_matches_reference(dtype):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < tol
 
 
+@pytest.mark.gpu
+def test_gpu_default_chunks_under_autocast_accumulate_the_weight_gradient_in_the_matmul(monkeypatch):
+    from scratchlm.kernels import fused_linear_cross_entropy as flce
+
+    # 40 rows per default compiled chunk: 5 chunks, each adding into the fp32 accumulator.
+    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS_COMPILED", 40 * 5000)
+    hidden, weight, targets = _case(200, 64, 5000, seed=5, dtype=torch.float32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = _loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets)
+    ref = _loss_and_grads(lambda h, w, t: F.cross_entropy(h @ w.t(), t), hidden, weight, targets)
+    if torch.__version__ >= (2, 8):
+        assert flce._addmm_out_dtype  # addmm(out_dtype=float32) ran instead of the bf16 product + add
+    for a, b in zip(ours, ref):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 2e-2
+
+
 def test_fusable_chunk_math_matches_in_place_version():
     from scratchlm.kernels.fused_linear_cross_entropy import (
         _chunk_loss_and_grad_eager,

@@ -22,8 +22,12 @@ import torch
 
 __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference", "FusedLinearCrossEntropy"]
 
-# Elements of one chunk of float32 logits (64M = 256 MB): big enough for efficient matmuls.
+# Elements of one chunk of logits. The eager chunk math holds float32 copies of a chunk, so it
+# takes 64M elements (256 MB each); the compiled chunk math on CUDA reads the matmul's bf16/fp16
+# logits once and writes their gradient once, so chunks there are 4x larger (512 MB each in
+# bf16): fewer chunks means fewer passes over the float32 (V x d) weight-gradient accumulator.
 _CHUNK_ELEMENTS = 1 << 26
+_CHUNK_ELEMENTS_COMPILED = 1 << 28
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -33,8 +37,30 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
     return torch.nn.functional.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index)
 
 
-def _default_chunk_size(n: int, vocab: int) -> int:
-    return max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+def _default_chunk_size(n: int, vocab: int, compiled: bool = False) -> int:
+    elements = _CHUNK_ELEMENTS_COMPILED if compiled else _CHUNK_ELEMENTS
+    return max(1, min(n, elements // max(vocab, 1)))
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight += gᵀ h, with the float32 accumulation inside the matmul where torch can.
+
+    On CUDA, ``addmm`` with ``out_dtype`` (torch >= 2.8) multiplies bf16/fp16 chunks into the
+    float32 accumulator in the GEMM epilogue; otherwise the product is formed in the chunk's dtype
+    and added (one extra (V x d) temporary and pass per chunk).
+    """
+    global _addmm_out_dtype
+    if (_addmm_out_dtype and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16)
+            and grad_weight.dtype == torch.float32):
+        try:
+            torch.addmm(grad_weight, g.t(), h, out_dtype=torch.float32, out=grad_weight)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # older torch: no out_dtype
+            _addmm_out_dtype = False
+    grad_weight += g.t() @ h
+
+
+_addmm_out_dtype = True
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -83,10 +109,14 @@ _compiled_chunk = None
 _compile_failed = False
 
 
+def _compiles_chunks(t: torch.Tensor) -> bool:
+    return t.is_cuda and not _compile_failed and not torch.compiler.is_compiling()
+
+
 def _chunk_loss_and_grad(logits, targets, valid, n_valid, acc, grad_dtype):
     """Compiled on CUDA (once per chunk shape); eager elsewhere or if compilation fails."""
     global _compiled_chunk, _compile_failed
-    if logits.is_cuda and not _compile_failed and not torch.compiler.is_compiling():
+    if _compiles_chunks(logits):
         try:
             if _compiled_chunk is None:
                 _compiled_chunk = torch.compile(_chunk_loss_and_grad_fusable, dynamic=False)
@@ -107,8 +137,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         n, d = hidden.shape
         vocab = weight.shape[0]
         dtype = _compute_dtype(hidden)
-        chunk = chunk_size or _default_chunk_size(n, vocab)
         need_grad = compute_grad and (hidden.requires_grad or weight.requires_grad)
+        chunk = chunk_size or _default_chunk_size(n, vocab, compiled=need_grad and _compiles_chunks(hidden))
         valid = targets != ignore_index
         acc = torch.promote_types(dtype, torch.float32)  # float64 stays float64 (exact tests)
         n_valid = valid.sum().clamp(min=1).to(acc)
@@ -134,7 +164,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[start:end] = (g @ w).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += g.t() @ h
+                    _accumulate_weight_grad(grad_weight, g, h)
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.has = (grad_hidden is not None, grad_weight is not None)
         ctx.weight_dtype = weight.dtype
