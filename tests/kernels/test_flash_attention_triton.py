@@ -177,7 +177,7 @@ def test_ops_are_triton_ops_that_name_their_kernels():
     from torch._library.triton import get_triton_kernels_for_op
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (Triton interpreter, or SCRATCHLM_FLASH_TRITON_OP unset)")
+        pytest.skip("ops are custom ops here (Triton interpreter, or SCRATCHLM_FLASH_TRITON_OP=0)")
 
     def names(op):
         return {getattr(getattr(k, "fn", k), "__name__", "") for k in get_triton_kernels_for_op(op)}
@@ -198,7 +198,7 @@ def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
     from torch._functorch.aot_autograd import aot_function
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
     graphs = {}
 
     def keep(name):
@@ -253,7 +253,7 @@ def test_compiled_17m_model_has_no_graph_break_and_launches_kernels_from_inducto
     from torch._inductor.utils import run_and_get_code
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
     torch._dynamo.reset()
     model = _model_17m()
     x = torch.randint(0, 10_000, (4, 256), device="cuda")
@@ -290,7 +290,7 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
     from torch._dynamo.utils import counters
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP unset, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
     torch._dynamo.reset()
     counters.clear()
     model = _model_17m()

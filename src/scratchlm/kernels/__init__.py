@@ -3,8 +3,8 @@
 - ``flash_attention_torch``: FlashAttention-2 tiling in plain PyTorch (``FlashAttentionTorch``),
   the readable reference.
 - ``flash_attention_triton``: the same algorithm in Triton, forward and backward
-  (``FlashAttentionTriton``, ``flash_attention``), registered as torch.library custom ops
-  (as triton ops that torch.compile traces into with ``SCRATCHLM_FLASH_TRITON_OP=1``).
+  (``FlashAttentionTriton``, ``flash_attention``), registered as torch.library triton ops
+  that torch.compile traces into (opaque custom ops with ``SCRATCHLM_FLASH_TRITON_OP=0``).
 - ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
   logits never exist at once.
 

@@ -21,12 +21,13 @@ reference the tests compare against); this file is the fast version:
   shapes do not pay for tuning). float32 inputs use IEEE float32 dot products, not TF32.
 
 Composition with ``torch.compile``: the launchers are the bodies of two ops,
-``scratchlm::flash_attention_forward`` / ``_backward``, with an autograd formula. By default
-they are opaque ``torch.library.custom_op``s with fake kernels. With
-``SCRATCHLM_FLASH_TRITON_OP=1`` (torch >= 2.6, not under Triton's interpreter) they are
-registered with ``torch.library.triton_op`` instead and launch every kernel through
-``wrap_triton``, so that torch.compile can trace into them and Inductor launch the kernels
-itself; that path is opt-in until its GPU tests have run (see "the ops" below). On tensors that Triton cannot run (CPU, or no triton installed) the same
+``scratchlm::flash_attention_forward`` / ``_backward``, with an autograd formula. Where torch
+has it (>= 2.6, and not under Triton's interpreter) they are registered with
+``torch.library.triton_op`` and launch every kernel through ``wrap_triton``, so that
+torch.compile traces into them and Inductor launches the kernels itself (one graph, one CUDA
+graph under ``mode="reduce-overhead"``); ``SCRATCHLM_FLASH_TRITON_OP=0`` registers them as
+opaque ``torch.library.custom_op``s with fake kernels instead (see "the ops" below). On
+tensors that Triton cannot run (CPU, or no triton installed) the same
 ops fall back to the tiled PyTorch reference, so the op, its autograd and its compile path
 can be exercised anywhere.
 
@@ -552,16 +553,15 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
 # must stay free of data-dependent Python: only shapes, strides and dtypes decide anything.
 # Eagerly a triton_op runs its body directly (wrap_triton is then a no-op).
 #
-# By default, and always where triton_op is missing (torch < 2.6) or Triton runs in its CPU
-# interpreter (whose kernels cannot be traced with fake tensors), the same bodies are registered
-# as opaque ``custom_op``s with separate fake kernels.
+# Where triton_op is missing (torch < 2.6), Triton runs in its CPU interpreter (whose kernels
+# cannot be traced with fake tensors) or SCRATCHLM_FLASH_TRITON_OP=0, the same bodies are
+# registered as opaque ``custom_op``s with separate fake kernels.
 
 
 def _use_triton_op() -> bool:
-    # Opt-in (SCRATCHLM_FLASH_TRITON_OP=1) until its triton_op-specific GPU tests have run: in the
-    # one H200 measurement so far (docs/benchmarks/train_step.md) the compiled step still called
-    # the backward op through its Python wrapper.
-    return (os.environ.get("SCRATCHLM_FLASH_TRITON_OP", "0") == "1" and hasattr(torch.library, "triton_op")
+    # SCRATCHLM_FLASH_TRITON_OP=0 keeps the opaque custom ops (the registration measured first,
+    # docs/benchmarks/train_step.md); both ran the gpt2small step at the same speed on the H200.
+    return (os.environ.get("SCRATCHLM_FLASH_TRITON_OP", "1") != "0" and hasattr(torch.library, "triton_op")
             and hasattr(torch.library, "wrap_triton") and not _interpreting())
 
 

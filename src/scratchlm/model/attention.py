@@ -2,8 +2,10 @@
 
 Backends: "math" runs `functional.scaled_dot_product_attention` with an explicit boolean mask
 (the reference, and the only path that handles padding masks and cached decoding);
-"flash_torch" / "flash_triton" call the tiled FlashAttention `autograd.Function`s from
-`scratchlm.kernels`, imported when such a module is built (they import without Triton). The fast
+"flash_torch" calls the tiled FlashAttention `autograd.Function` and "flash_triton" the Triton
+kernels' `flash_attention` (a custom op with its autograd formula registered, which
+torch.compile keeps in one graph) from `scratchlm.kernels`, imported when such a module is
+built (they import without Triton). The fast
 backends only know `is_causal`, so calls with a KV cache or a padding mask fall back to "math";
 so do "flash_triton" calls on CPU tensors (a GPU-trained checkpoint still samples on a laptop).
 """
@@ -24,19 +26,21 @@ from scratchlm.model.rope import RotaryEmbedding, apply_rope
 BACKENDS: dict[str, tuple[str, str] | None] = {
     "math": None,
     "flash_torch": ("scratchlm.kernels.flash_attention_torch", "FlashAttentionTorch"),
-    "flash_triton": ("scratchlm.kernels.flash_attention_triton", "FlashAttentionTriton"),
+    "flash_triton": ("scratchlm.kernels.flash_attention_triton", "flash_attention"),
 }
 
 
 def load_backend(name: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None:
-    """The `apply(q, k, v, is_causal)` of a fast backend, or None for "math"."""
+    """The `f(q, k, v, is_causal)` of a fast backend (a function, or an autograd.Function's
+    `apply`), or None for "math"."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
     target = BACKENDS[name]
     if target is None:
         return None
-    module, cls = target
-    return getattr(importlib.import_module(module), cls).apply
+    module, name = target
+    fn = getattr(importlib.import_module(module), name)
+    return fn.apply if isinstance(fn, type) else fn
 
 
 def qkv_init_std(d_model: int, qkv_init: str = "fused") -> float:
