@@ -191,6 +191,24 @@ def test_gradient_accumulation_matches_one_big_batch(cfg, tmp_path, monkeypatch)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_lm_head_trains_like_the_plain_head(cfg, tmp_path, tie):
+    # Same seed, same batches: the chunked head + loss must give the plain path's losses and weights.
+    runs = {}
+    for fused in (False, True):
+        out = tmp_path / f"f{fused}"
+        c = replace(cfg, model=replace(cfg.model, tie_embeddings=tie),
+                    trainer=replace(cfg.trainer, fused_lm_head=fused, out_dir=str(out)))
+        run_training(c)
+        runs[fused] = (_losses(out), _weights(out))
+    (plain_losses, plain_w), (fused_losses, fused_w) = runs[False], runs[True]
+    assert [s for s, _ in fused_losses] == [s for s, _ in plain_losses]
+    torch.testing.assert_close([v for _, v in fused_losses], [v for _, v in plain_losses], rtol=1e-4, atol=1e-5)
+    assert plain_losses[-1][1] < plain_losses[0][1] - 0.5  # it learned: the comparison is not of two no-ops
+    for name in plain_w:
+        torch.testing.assert_close(fused_w[name], plain_w[name], rtol=1e-3, atol=1e-4)
+
+
 class _Quiet:
     def log(self, record):
         pass

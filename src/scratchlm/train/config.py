@@ -35,6 +35,10 @@ class TrainerConfig:
     # CUDA graphs; worth turning on only for long evaluations of large models.
     compile_eval: bool = False
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
+    # The LM head fused with the loss (scratchlm.kernels.fused_linear_cross_entropy): chunks of
+    # tokens, never the full (tokens x vocab) float32 logits. Half the step's memory and ~10% faster
+    # at GPT-2-small size on an H200 (docs/benchmarks/train_step.md); single-process runs only.
+    fused_lm_head: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)
     progress: bool = True  # show a tqdm progress bar (log lines are printed either way)

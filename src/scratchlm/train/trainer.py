@@ -112,6 +112,7 @@ class Trainer:
         # "reduce-overhead" replays both as CUDA graphs: small models are bound by kernel launches.
         self._loss_fn = torch.compile(cross_entropy, mode=tc.compile_mode) if tc.compile else cross_entropy
         self._cudagraphs = tc.compile and tc.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+        self._hidden_states = self._fused_head_trunk() if tc.fused_lm_head else None
         self.optimizer = self._build_optimizer()
 
         self.step = 0
@@ -155,6 +156,26 @@ class Trainer:
         if self.engine is not None:
             model = self.engine.wrap_model(model)
         return model
+
+    def _fused_head_trunk(self):
+        """The (compiled) `hidden_states` the fused head's loss is computed from."""
+        tc = self.cfg.trainer
+        if self.engine is not None:
+            raise UserError("trainer.fused_lm_head runs single-process only: the data-parallel wrappers "
+                            "synchronise gradients through the model's forward, which the fused head bypasses")
+        trunk = self.raw_model.hidden_states
+        return torch.compile(trunk, mode=tc.compile_mode) if tc.compile else trunk
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
+        if self._hidden_states is not None:
+            from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+            with self._autocast():  # the head's matmuls run in the autocast dtype, as F.linear's would
+                return fused_linear_cross_entropy(self._hidden_states(x), self.raw_model.lm_head.weight, y)
+        with self._autocast():
+            logits = self.model(x)
+        return self._loss_fn(logits, y)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         oc = self.cfg.optim
@@ -215,9 +236,8 @@ class Trainer:
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()  # last micro-step's graph outputs may be reused
             x, y = self.data.next_batch(self.device)
-            with self._no_sync(micro < accum - 1), self._autocast():
-                logits = self.model(x)
-            loss = self._loss_fn(logits, y) / accum
+            with self._no_sync(micro < accum - 1):
+                loss = self._loss(x, y) / accum
             step_loss += loss.detach()
             if self._moe_layers:
                 mc = self.cfg.model
