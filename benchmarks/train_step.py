@@ -1,15 +1,20 @@
 """A full training step of scratchlm vs a torch.nn reference of the same Llama-shaped model.
 
-    python benchmarks/train_step.py [--shapes gpt2small tinystories longctx] [--json out.json]
+    python benchmarks/train_step.py [--shapes gpt2small tinystories longctx] [--variants ...]
+        [--json out.json] [--profile ROWS]
 
-scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile,
-scratchlm's AdamW (multi-tensor path) and, as a separately labelled variant, the same model
-with torch's fused AdamW. Reference: nn.Embedding / nn.RMSNorm / nn.Linear,
-F.scaled_dot_product_attention (causal), SwiGLU, rotary embeddings, fused torch.optim.AdamW,
-bf16 autocast, torch.compile. Both compute the loss with F.cross_entropy on float32 logits.
-MFU counts 6 FLOPs per matrix weight per token plus causal attention (the formula of
-scratchlm.bench.commands.model_flops_per_token), against the datasheet 989 TFLOP/s and the
-measured 753 TFLOP/s bf16 matmul rate of the H200.
+scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile, in the
+variants of VARIANTS (`--variants`, default all): scratchlm's AdamW (multi-tensor path), torch's
+fused AdamW, scratchlm's Triton AdamW; then the fastest configuration, the compiled trunk
+(`hidden_states`) with the fused LM head + loss (`fused_linear_cross_entropy`, no float32
+logits) and the Triton AdamW, with and without CUDA graphs (mode="reduce-overhead").
+Reference: nn.Embedding / nn.RMSNorm / nn.Linear, F.scaled_dot_product_attention (causal),
+SwiGLU, rotary embeddings, fused torch.optim.AdamW, bf16 autocast, torch.compile, and
+F.cross_entropy on float32 logits. MFU counts 6 FLOPs per matrix weight per token plus causal
+attention (the formula of scratchlm.bench.commands.model_flops_per_token), against the
+datasheet 989 TFLOP/s and the measured 753 TFLOP/s bf16 matmul rate of the H200. Memory is
+the peak allocated over the timed steps and the allocator's peak reserved memory (which
+counts CUDA graphs' private pools; "allocated" does not).
 
 The long-context shape (vocab 151,936, context 32,768, batch 1) runs eagerly: scratchlm with
 activation checkpointing on every block and the fused LM head, against the torch.nn reference
@@ -154,9 +159,12 @@ def _measure(name, make, shape, warmup, steps, flops_token):
     achieved = 3 * flops_token * tokens_s
     row = {"variant": name, "median_s": r.median, "mean_s": r.mean, "std_s": r.std, "tokens_per_s": tokens_s,
            "tflops": achieved / 1e12, "mfu_989": achieved / H200_BF16_DENSE_PEAK,
-           "mfu_753": achieved / H200_BF16_MEASURED_MATMUL, "peak_gib": r.peak_memory_bytes / 2**30}
+           "mfu_753": achieved / H200_BF16_MEASURED_MATMUL, "peak_gib": r.peak_memory_bytes / 2**30,
+           # the allocator's reserved memory counts CUDA graphs' private pools, which "allocated" does not
+           "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
     print(f"  {name:<42}{r.median * 1e3:9.1f} ms{tokens_s:12.0f} tok/s{achieved / 1e12:8.1f} TFLOP/s"
-          f"{100 * row['mfu_989']:6.1f}% /989{100 * row['mfu_753']:6.1f}% /753{row['peak_gib']:8.1f} GiB", flush=True)
+          f"{100 * row['mfu_989']:6.1f}% /989{100 * row['mfu_753']:6.1f}% /753{row['peak_gib']:8.1f} GiB"
+          f" ({row['reserved_gib']:.1f} reserved)", flush=True)
     if PROFILE_ROWS:
         from scratchlm.bench.profile import profile_table
 
@@ -170,11 +178,13 @@ def _compare(ref: dict, rows: list[dict]) -> None:
         if "tokens_per_s" in r and "tokens_per_s" in ref:
             r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
             r["peak_memory_vs_reference"] = r["peak_gib"] / ref["peak_gib"]
+            r["reserved_vs_reference"] = r["reserved_gib"] / ref["reserved_gib"]
             print(f"  ratio {r['variant']}: {r['ratio_vs_reference']:.3f}x speed, "
-                  f"{r['peak_memory_vs_reference']:.2f}x peak memory", flush=True)
+                  f"{r['peak_memory_vs_reference']:.2f}x peak allocated, "
+                  f"{r['reserved_vs_reference']:.2f}x reserved memory", flush=True)
 
 
-def run_shape(key, warmup, steps):
+def run_shape(key, warmup, steps, variants=("foreach", "torch_fused")):
     from scratchlm.optim.adamw import AdamW
     from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
 
@@ -227,27 +237,49 @@ def run_shape(key, warmup, steps):
         holder["m"] = m
         return _step_fn(torch.compile(m), opt, x, y, _plain_loss)
 
-    def ours(optimizer):
+    def ours(optimizer, fused_head=False, mode="default"):
         def make(x, y):
             torch.manual_seed(0)
-            if "ours" not in holder:
-                holder["ours"] = _scratchlm_model(shape)
-                holder["ours_c"] = torch.compile(holder["ours"])
-            m, compiled = holder["ours"], holder["ours_c"]
-            opt = (AdamW(m.parameters(), lr=1e-4, foreach=True) if optimizer == "scratchlm"
-                   else torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))
-            return _step_fn(compiled, opt, x, y, _plain_loss)
+            m = holder["m"] = _scratchlm_model(shape)
+            opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
+                   else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
+            if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)
+                from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+                trunk = torch.compile(m.hidden_states, mode=mode)
+                step = _step_fn(m, opt, x, y, lambda _m, a, b: fused_linear_cross_entropy(
+                    trunk(a), m.lm_head.weight, b))
+            else:
+                step = _step_fn(torch.compile(m, mode=mode), opt, x, y, _plain_loss)
+            if mode != "reduce-overhead":
+                return step
+
+            def graphed_step():
+                torch.compiler.cudagraph_mark_step_begin()
+                step()
+            return graphed_step
         return make
 
     ref = _measure("torch.nn reference (SDPA, fused AdamW)", reference, shape, warmup, steps, flops_token)
     holder.pop("m", None)
-    a = _measure("scratchlm (flash_triton, scratchlm AdamW)", ours("scratchlm"), shape, warmup, steps, flops_token)
-    b = _measure("scratchlm (flash_triton, torch fused AdamW)", ours("torch_fused"), shape, warmup, steps,
-                 flops_token)
-    rows = [ref, a, b]
-    _compare(ref, [a, b])
-    holder.clear()
+    rows = [ref]
+    for name in variants:
+        label, kwargs = VARIANTS[name]
+        rows.append(_measure(label, ours(**kwargs), shape, warmup, steps, flops_token))
+        holder.clear()
+    _compare(ref, rows[1:])
     return {"shape": key, **shape, "rows": rows}
+
+
+# scratchlm's variants of the compiled step (flash_triton attention throughout), by --variants name
+VARIANTS = {
+    "foreach": ("scratchlm (flash_triton, scratchlm AdamW)", dict(optimizer="scratchlm")),
+    "torch_fused": ("scratchlm (flash_triton, torch fused AdamW)", dict(optimizer="torch_fused")),
+    "triton_adamw": ("scratchlm (flash_triton, Triton AdamW)", dict(optimizer="triton")),
+    "fused_head": ("scratchlm (+ fused LM head, Triton AdamW)", dict(optimizer="triton", fused_head=True)),
+    "cudagraphs": ("scratchlm (+ fused head, Triton AdamW, CUDA graphs)",
+                   dict(optimizer="triton", fused_head=True, mode="reduce-overhead")),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="scratchlm variants to time against the reference (gpt2small and tinystories)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after each variant, print its ROWS most expensive ops over 2 steps (torch.profiler)")
     args = p.parse_args(argv)
@@ -268,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
     for key in args.shapes:
         warm, steps = (1, 3) if key == "longctx" else (args.warmup, args.steps)
-        out["shapes"].append(run_shape(key, warm, steps))
+        out["shapes"].append(run_shape(key, warm, steps, args.variants))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
