@@ -126,7 +126,13 @@ def scratchlm_step(bin_path: str, batch: int, overrides: list[str], out_dir: str
     return trainer._train_step, cfg
 
 
-def reference_step(bin_path: str, batch: int, cfg, mode: str = "default"):
+def _ref_loss(model, x, y):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compile_loss: bool = False):
     m = cfg.model
     model = ReferenceLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff,
                         m.rope_theta).cuda()
@@ -135,6 +141,7 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default"):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     compiled = torch.compile(model, mode=mode)
+    loss_fn = torch.compile(_ref_loss, mode=mode) if compile_loss else None  # model + loss in one graph
     tokens = np.memmap(bin_path, dtype=np.uint16, mode="r")
     rng = np.random.default_rng(0)
     T = m.context_length
@@ -146,9 +153,12 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default"):
         rows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int64)
         t = torch.from_numpy(rows).pin_memory().to("cuda", non_blocking=True)
         x, y = t[:, :-1], t[:, 1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = compiled(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        if loss_fn is not None:
+            loss = loss_fn(model, x, y)
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = compiled(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--reference-cudagraphs", action="store_true",
                    help="also time the reference compiled with mode='reduce-overhead'")
+    p.add_argument("--reference-compiled-loss", action="store_true",
+                   help="also time the reference with its loss compiled together with the model")
     p.add_argument("--host-profile", action="store_true", help="CUDA runtime calls and Python hot spots")
     p.add_argument("--step-trace", action="store_true",
                    help="the top-level host ops and CUDA-graph launches of one step, in order")
@@ -193,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     steps["reference"] = reference_step(bin_path, args.batch, cfg)
     if args.reference_cudagraphs:
         steps["reference (reduce-overhead)"] = reference_step(bin_path, args.batch, cfg, "reduce-overhead")
+    if args.reference_compiled_loss:
+        steps["reference (loss compiled)"] = reference_step(bin_path, args.batch, cfg, compile_loss=True)
+        if args.reference_cudagraphs:
+            steps["reference (loss compiled, reduce-overhead)"] = reference_step(
+                bin_path, args.batch, cfg, "reduce-overhead", compile_loss=True)
     tokens_per_step = args.batch * cfg.model.context_length
     for name, step in steps.items():
         t0 = time.perf_counter()
