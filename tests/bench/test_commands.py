@@ -26,6 +26,15 @@ def test_fused_head_checkpointing_and_flash_torch_table(capsys):
     assert "train_step" in out and "flash_torch" in out
 
 
+def test_compiled_step_with_the_fused_optimizer_option_runs_on_cpu(capsys):
+    # On CPU the Triton AdamW does not qualify and the optimizer takes its multi-tensor path.
+    argv = [*TINY, "--mode", "train_step", "--compile", "--optimizer", "scratchlm_fused", "--json"]
+    assert bench_command(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "scratchlm_fused" and out["compile"]
+    assert out["modes"]["train_step"]["tokens_per_s"] > 0
+
+
 def test_bad_input_is_a_user_error():
     with pytest.raises(UserError):
         bench_command([*TINY, "--model.d_model=63"])

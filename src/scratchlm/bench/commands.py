@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
                    help="checkpoint every N-th block (0: off)")
     p.add_argument("--fused-lm-head", action="store_true", help="chunked fused linear + cross-entropy loss")
-    p.add_argument("--optimizer", choices=("scratchlm", "torch_fused"), default="scratchlm",
-                   help="scratchlm.optim.AdamW (multi-tensor on CUDA) or torch.optim.AdamW(fused=True)")
+    p.add_argument("--optimizer", choices=("scratchlm", "scratchlm_fused", "torch_fused"), default="scratchlm",
+                   help="scratchlm.optim.AdamW (multi-tensor on CUDA), the same with fused=True (one Triton "
+                        "kernel per group on CUDA) or torch.optim.AdamW(fused=True)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--profile", action="store_true",
                    help="NVTX ranges (forward/backward/optimizer, per layer) and a torch.profiler table")
@@ -142,14 +143,19 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         fused_model = _HiddenProxy(model, runner_hidden)
     else:
         fused_model = runner if not args.fused_lm_head else model
-    loss_fn = _loss_fn(fused_model if args.fused_lm_head else runner, args.fused_lm_head)
+    if args.compile and not args.fused_lm_head:
+        # the model and the float32 cross-entropy in one compiled graph, as a compiled training
+        # script computes its loss inside the model's forward (no eager pass over the logits)
+        loss_fn = torch.compile(_loss_fn(model, False))
+    else:
+        loss_fn = _loss_fn(fused_model if args.fused_lm_head else runner, args.fused_lm_head)
 
     if args.optimizer == "torch_fused":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
         from scratchlm.optim.adamw import AdamW
 
-        optimizer = AdamW(model.parameters(), lr=1e-4)
+        optimizer = AdamW(model.parameters(), lr=1e-4, fused=args.optimizer == "scratchlm_fused" or None)
 
     B, T = args.batch_size, args.context_length
     x = torch.randint(0, cfg.vocab_size, (B, T), device=device)
