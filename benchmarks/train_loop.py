@@ -140,8 +140,9 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compil
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    compiled = torch.compile(model, mode=mode)
-    loss_fn = torch.compile(_ref_loss, mode=mode) if compile_loss else None  # model + loss in one graph
+    # the compiled model with the loss after it (eager), or model and loss in one compiled graph
+    loss_fn, target = (torch.compile(_ref_loss, mode=mode), model) if compile_loss else (
+        _ref_loss, torch.compile(model, mode=mode))
     tokens = np.memmap(bin_path, dtype=np.uint16, mode="r")
     rng = np.random.default_rng(0)
     T = m.context_length
@@ -153,12 +154,7 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compil
         rows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int64)
         t = torch.from_numpy(rows).pin_memory().to("cuda", non_blocking=True)
         x, y = t[:, :-1], t[:, 1:]
-        if loss_fn is not None:
-            loss = loss_fn(model, x, y)
-        else:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = compiled(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss = loss_fn(target, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -137,18 +137,16 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     if args.profile:
         add_layer_nvtx_ranges(model)
     runner = torch.compile(model) if args.compile else model
-    if args.fused_lm_head and args.compile:
-        # compile the trunk; the chunked loss loop stays eager (it is a few large matmuls)
-        runner_hidden = torch.compile(model.hidden_states)
-        fused_model = _HiddenProxy(model, runner_hidden)
-    else:
-        fused_model = runner if not args.fused_lm_head else model
-    if args.compile and not args.fused_lm_head:
+    if args.fused_lm_head:
+        # compiled, the trunk only: the chunked loss loop stays eager (it is a few large matmuls)
+        trunk = _HiddenProxy(model, torch.compile(model.hidden_states)) if args.compile else model
+        loss_fn = _loss_fn(trunk, True)
+    elif args.compile:
         # the model and the float32 cross-entropy in one compiled graph, as a compiled training
         # script computes its loss inside the model's forward (no eager pass over the logits)
         loss_fn = torch.compile(_loss_fn(model, False))
     else:
-        loss_fn = _loss_fn(fused_model if args.fused_lm_head else runner, args.fused_lm_head)
+        loss_fn = _loss_fn(model, False)
 
     if args.optimizer == "torch_fused":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

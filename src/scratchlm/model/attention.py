@@ -38,8 +38,8 @@ def load_backend(name: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor] 
     target = BACKENDS[name]
     if target is None:
         return None
-    module, name = target
-    fn = getattr(importlib.import_module(module), name)
+    module, attr = target
+    fn = getattr(importlib.import_module(module), attr)
     return fn.apply if isinstance(fn, type) else fn
 
 
