@@ -5,7 +5,8 @@
 Forward + backward of the loss w.r.t. hidden states and the head weight, bf16 hidden states
 and weight (as under autocast), on the shapes of the train-step benchmarks. "plain" runs eagerly,
 "compiled" is the same function under torch.compile (as in the train-step reference), "fused" is
-scratchlm's chunked head (its per-chunk softmax gradient compiled on CUDA).
+scratchlm's chunked head (its per-chunk loss and softmax gradient in the Triton kernel of
+`cross_entropy_triton`), "fused/compiled" the same head with that chunk math compiled instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.bench.harness import benchmark
+from scratchlm.kernels import fused_linear_cross_entropy as flce
 from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 SHAPES = [  # (tokens, d_model, vocab)
@@ -31,6 +33,14 @@ def _plain(h, w, t):
     return F.cross_entropy((h @ w.t()).float(), t)
 
 
+def _fused_compiled_chunks(h, w, t):
+    flce._use_triton_rows = False
+    try:
+        return fused_linear_cross_entropy(h, w, t)
+    finally:
+        flce._use_triton_rows = True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json")
@@ -40,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 1
     rows = []
-    print(f"{'tokens':>8}{'d':>6}{'vocab':>8}{'impl':>8}{'ms':>9}{'peak GiB':>10}{'extra GiB':>10}{'rel err':>9}")
+    print(f"{'tokens':>8}{'d':>6}{'vocab':>8}{'impl':>15}{'ms':>9}{'peak GiB':>10}{'extra GiB':>10}{'rel err':>9}")
     for n, d, vocab in SHAPES:
         h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(vocab, d, device="cuda") / d ** 0.5).to(torch.bfloat16).requires_grad_()
@@ -48,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         base = torch.cuda.memory_allocated()
         results = {}
         compiled = torch.compile(_plain, dynamic=False)  # what the train-step reference runs
-        for name, fn in (("plain", _plain), ("compiled", compiled), ("fused", fused_linear_cross_entropy)):
+        for name, fn in (("plain", _plain), ("compiled", compiled), ("fused", fused_linear_cross_entropy),
+                         ("fused/compiled", _fused_compiled_chunks)):
             def step():
                 loss = fn(h, w, t)
                 torch.autograd.grad(loss, (h, w))
@@ -64,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items():
             err = abs(r["loss"] - ref) / abs(ref) if ref and "loss" in r else float("nan")
             if "ms" in r:
-                print(f"{n:>8}{d:>6}{vocab:>8}{name:>8}{r['ms']:>9.2f}{r['peak_gib']:>10.2f}{r['extra_gib']:>10.2f}{err:>9.1e}")
+                print(f"{n:>8}{d:>6}{vocab:>8}{name:>15}{r['ms']:>9.2f}{r['peak_gib']:>10.2f}{r['extra_gib']:>10.2f}{err:>9.1e}")
             else:
-                print(f"{n:>8}{d:>6}{vocab:>8}{name:>8}   {r['error']}")
+                print(f"{n:>8}{d:>6}{vocab:>8}{name:>15}   {r['error']}")
         rows.append({"tokens": n, "d_model": d, "vocab": vocab, **results})
         del h, w, t
         torch.cuda.empty_cache()

@@ -23,9 +23,10 @@ import torch
 __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference", "FusedLinearCrossEntropy"]
 
 # Elements of one chunk of logits. The eager chunk math holds float32 copies of a chunk, so it
-# takes 64M elements (256 MB each); the compiled chunk math on CUDA reads the matmul's bf16/fp16
-# logits once and writes their gradient once, so chunks there are 4x larger (512 MB each in
-# bf16): fewer chunks means fewer passes over the float32 (V x d) weight-gradient accumulator.
+# takes 64M elements (256 MB each); on CUDA the chunk math (the Triton kernel of
+# `cross_entropy_triton`, or the compiled math) reads the matmul's bf16/fp16 logits and writes
+# their gradient in place, so chunks there are 4x larger (512 MB each in bf16): fewer chunks
+# means fewer passes over the float32 (V x d) weight-gradient accumulator.
 _CHUNK_ELEMENTS = 1 << 26
 _CHUNK_ELEMENTS_COMPILED = 1 << 28
 
@@ -107,6 +108,7 @@ def _chunk_loss_and_grad_fusable(logits, targets, valid, n_valid, acc, grad_dtyp
 
 _compiled_chunk = None
 _compile_failed = False
+_use_triton_rows = True  # False: the compiled chunk math instead of the Triton kernel (benchmarks, tests)
 
 
 def _compiles_chunks(t: torch.Tensor) -> bool:
@@ -114,8 +116,15 @@ def _compiles_chunks(t: torch.Tensor) -> bool:
 
 
 def _chunk_loss_and_grad(logits, targets, valid, n_valid, acc, grad_dtype):
-    """Compiled on CUDA (once per chunk shape); eager elsewhere or if compilation fails."""
+    """On CUDA the Triton kernel of `cross_entropy_rows` (in place), else compiled (once per
+    chunk shape); eager elsewhere or if compilation fails."""
     global _compiled_chunk, _compile_failed
+    if logits.is_cuda and acc == torch.float32 and logits.dtype == grad_dtype and _use_triton_rows:
+        from scratchlm.kernels.cross_entropy_triton import cross_entropy_rows, cross_entropy_rows_supported
+
+        if cross_entropy_rows_supported(logits):
+            safe = torch.where(valid, targets, torch.zeros_like(targets))
+            return cross_entropy_rows(logits, safe, valid.to(acc) / n_valid)
     if _compiles_chunks(logits):
         try:
             if _compiled_chunk is None:
