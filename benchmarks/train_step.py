@@ -7,12 +7,17 @@ scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torc
 variants of VARIANTS (`--variants`, default all): scratchlm's AdamW (multi-tensor path), torch's
 fused AdamW, scratchlm's Triton AdamW; then the fastest configuration, the compiled trunk
 (`hidden_states`) with the fused LM head + loss (`fused_linear_cross_entropy`, no float32
-logits) and the Triton AdamW, with and without CUDA graphs (mode="reduce-overhead").
+logits) and the Triton AdamW, with and without CUDA graphs (mode="reduce-overhead");; model and
+loss compiled together; and the CUDA-graph configuration with q/k/v and w1/w3 as separate
+forward matmuls (`model.fused_projections=False`).
 Reference: nn.Embedding / nn.RMSNorm / nn.Linear, F.scaled_dot_product_attention (causal),
 SwiGLU, rotary embeddings, fused torch.optim.AdamW, bf16 autocast, torch.compile, and
 F.cross_entropy on float32 logits. MFU counts 6 FLOPs per matrix weight per token plus causal
 attention (the formula of scratchlm.bench.commands.model_flops_per_token), against the
-datasheet 989 TFLOP/s and the measured 753 TFLOP/s bf16 matmul rate of the H200. Memory is
+datasheet 989 TFLOP/s and the measured 753 TFLOP/s bf16 matmul rate of the H200. Each variant
+is timed twice: step by step, synchronising around every step (median; this includes each
+step's launch latency before its first kernel), and back to back as a training loop runs
+(`_back_to_back`); tokens/s and ratios are given for both. Memory is
 the peak allocated over the timed steps and the allocator's peak reserved memory (which
 counts CUDA graphs' private pools; "allocated" does not).
 
@@ -131,15 +136,35 @@ def _fused_loss(model, x, y):
     return fused_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
 
 
-def _scratchlm_model(shape, backend="flash_triton"):
+def _scratchlm_model(shape, backend="flash_triton", fused_projections=True):
     from scratchlm.model.config import ModelConfig
     from scratchlm.model.transformer import build_model
 
-    cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "batch"}, attention_backend=backend)
+    cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "batch"}, attention_backend=backend,
+                      fused_projections=fused_projections)
     return build_model(cfg, device="cuda")
 
 
 PROFILE_ROWS = 0  # --profile: a kernel table of each variant after its timing
+ON_ROW = None  # called with each measured row (main writes the JSON so far: a timed-out run keeps its rows)
+
+
+def _back_to_back(step, steps: int, repeats: int = 3) -> float:
+    """Seconds per step of `steps` steps run back to back, as a training loop runs them (the host
+    queues the next step while the GPU works; one synchronisation at the end), the median of
+    `repeats` such runs. `benchmark` instead synchronises around every step, which adds each
+    step's launch latency before its first kernel."""
+    per_step = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        per_step.append(start.elapsed_time(end) / 1e3 / steps)
+    return sorted(per_step)[len(per_step) // 2]
 
 
 def _measure(name, make, shape, warmup, steps, flops_token):
@@ -155,20 +180,25 @@ def _measure(name, make, shape, warmup, steps, flops_token):
         torch.cuda.empty_cache()
         print(f"  {name:<42} out of memory", flush=True)
         return {"variant": name, "error": "out of memory"}
+    back_to_back = _back_to_back(step, steps)
     tokens_s = B * T / r.median
     achieved = 3 * flops_token * tokens_s
     row = {"variant": name, "median_s": r.median, "mean_s": r.mean, "std_s": r.std, "tokens_per_s": tokens_s,
+           "back_to_back_s": back_to_back, "tokens_per_s_back_to_back": B * T / back_to_back,
            "tflops": achieved / 1e12, "mfu_989": achieved / H200_BF16_DENSE_PEAK,
            "mfu_753": achieved / H200_BF16_MEASURED_MATMUL, "peak_gib": r.peak_memory_bytes / 2**30,
            # the allocator's reserved memory counts CUDA graphs' private pools, which "allocated" does not
            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
     print(f"  {name:<42}{r.median * 1e3:9.1f} ms{tokens_s:12.0f} tok/s{achieved / 1e12:8.1f} TFLOP/s"
           f"{100 * row['mfu_989']:6.1f}% /989{100 * row['mfu_753']:6.1f}% /753{row['peak_gib']:8.1f} GiB"
-          f" ({row['reserved_gib']:.1f} reserved)", flush=True)
+          f" ({row['reserved_gib']:.1f} reserved); back-to-back {back_to_back * 1e3:.1f} ms/step,"
+          f" {B * T / back_to_back:.0f} tok/s", flush=True)
     if PROFILE_ROWS:
         from scratchlm.bench.profile import profile_table
 
         print(profile_table(step, 2, row_limit=PROFILE_ROWS), flush=True)
+    if ON_ROW is not None:
+        ON_ROW(row)
     return row
 
 
@@ -179,8 +209,9 @@ def _compare(ref: dict, rows: list[dict], suffix: str = "_vs_reference") -> None
             speed = r["ratio" + suffix] = r["tokens_per_s"] / ref["tokens_per_s"]
             peak = r["peak_memory" + suffix] = r["peak_gib"] / ref["peak_gib"]
             reserved = r["reserved" + suffix] = r["reserved_gib"] / ref["reserved_gib"]
-            print(f"  ratio {r['variant']} vs {ref['variant']}: {speed:.3f}x speed, {peak:.2f}x peak allocated, "
-                  f"{reserved:.2f}x reserved memory", flush=True)
+            b2b = r["ratio_back_to_back" + suffix] = r["tokens_per_s_back_to_back"] / ref["tokens_per_s_back_to_back"]
+            print(f"  ratio {r['variant']} vs {ref['variant']}: {speed:.3f}x speed (synchronised steps), "
+                  f"{b2b:.3f}x back-to-back, {peak:.2f}x peak allocated, {reserved:.2f}x reserved memory", flush=True)
 
 
 def run_shape(key, warmup, steps, variants=("foreach", "torch_fused")):
@@ -240,10 +271,10 @@ def run_shape(key, warmup, steps, variants=("foreach", "torch_fused")):
             return _step_fn(torch.compile(m), opt, x, y, _plain_loss)
         return make
 
-    def ours(optimizer, fused_head=False, mode="default", compile_loss=False):
+    def ours(optimizer, fused_head=False, mode="default", compile_loss=False, fused_projections=True):
         def make(x, y):
             torch.manual_seed(0)
-            m = holder["m"] = _scratchlm_model(shape)
+            m = holder["m"] = _scratchlm_model(shape, fused_projections=fused_projections)
             opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
                    else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
             if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)
@@ -297,6 +328,10 @@ VARIANTS = {
     "compiled_loss": ("scratchlm (model + loss compiled, Triton AdamW)", dict(optimizer="triton", compile_loss=True)),
     "compiled_loss_cudagraphs": ("scratchlm (model + loss compiled, Triton AdamW, CUDA graphs)",
                                  dict(optimizer="triton", compile_loss=True, mode="reduce-overhead")),
+    # "cudagraphs" with q/k/v and w1/w3 as separate forward matmuls (model.fused_projections=False)
+    "cudagraphs_separate_proj": ("scratchlm (cudagraphs variant, separate q/k/v, w1/w3)",
+                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
+                                      fused_projections=False)),
 }
 
 
@@ -311,19 +346,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after each variant, print its ROWS most expensive ops over 2 steps (torch.profiler)")
     args = p.parse_args(argv)
-    global PROFILE_ROWS
+    global PROFILE_ROWS, ON_ROW
     PROFILE_ROWS = args.profile
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
     torch.backends.cuda.matmul.allow_tf32 = True
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
-    for key in args.shapes:
-        warm, steps = (1, 3) if key == "longctx" else (args.warmup, args.steps)
-        out["shapes"].append(run_shape(key, warm, steps, args.variants))
+
+    def save(row=None):
+        if row is not None:
+            out.setdefault("rows_of_unfinished_shape", []).append(row)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
+    ON_ROW = save
+    for key in args.shapes:
+        warm, steps = (1, 3) if key == "longctx" else (args.warmup, args.steps)
+        out["shapes"].append(run_shape(key, warm, steps, args.variants))
+        out.pop("rows_of_unfinished_shape", None)
+        save()
     return 0
 
 

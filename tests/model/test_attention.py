@@ -168,3 +168,24 @@ def test_separate_qkv_init_keeps_the_per_projection_scale():
     torch.testing.assert_close(attn.q_proj.weight, Linear(512, 512).weight)
     with pytest.raises(ValueError, match="qkv_init"):
         MultiHeadSelfAttention(16, 4, qkv_init="xavier")
+
+
+def test_fused_qkv_matches_separate_projections_and_gradients():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(10_000.0, 16, 32)
+    fused = MultiHeadSelfAttention(64, 4, rope)
+    separate = MultiHeadSelfAttention(64, 4, rope, fused_qkv=False)
+    separate.load_state_dict(fused.state_dict())
+    calls = []
+    for attn in (fused, separate):
+        attn.k_proj.forward = lambda t, _m=attn.k_proj: calls.append(1) or Linear.forward(_m, t)
+    x = torch.randn(2, 7, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_fused, out_separate = fused(x), separate(x)
+    assert len(calls) == 1  # only the separate module called k_proj
+    torch.testing.assert_close(out_fused, out_separate)
+    g = torch.randn_like(out_fused)
+    (out_fused.float() * g).sum().backward()
+    (out_separate.float() * g).sum().backward()
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, dict(separate.named_parameters())[name].grad, msg=name)

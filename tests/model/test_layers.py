@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scratchlm.model.layers import Embedding, Linear, RMSNorm, SiLUFFN, SwiGLU
+from scratchlm.model.layers import Embedding, Linear, RMSNorm, SiLUFFN, SwiGLU, can_fuse, project_together
 
 
 def test_linear_shape_and_formula():
@@ -88,3 +88,108 @@ def test_linear_init_std_override():
     assert lin.weight.abs().max().item() <= 0.03 + 1e-6
     lin.reset_parameters()  # a reset keeps the override
     assert lin.weight.abs().max().item() <= 0.03 + 1e-6
+
+
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of distinct storages autograd saves while running fn()."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_project_together_is_each_projection_with_the_same_gradients():
+    torch.manual_seed(0)
+    a, b = Linear(32, 48), Linear(32, 16)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    with _bf16():
+        ya, yb = project_together(x, (a, b))
+        ref_a, ref_b = a(x), b(x)
+    assert ya.shape == (2, 5, 48) and yb.shape == (2, 5, 16) and ya.dtype == torch.bfloat16
+    torch.testing.assert_close((ya, yb), (ref_a, ref_b))
+    gya, gyb = torch.randn_like(ya), torch.randn_like(yb)
+    grads = torch.autograd.grad((ya * gya).sum() + (yb * gyb).sum(), (x, a.weight, b.weight))
+    ref = torch.autograd.grad((ref_a * gya).sum() + (ref_b * gyb).sum(), (x, a.weight, b.weight))
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    torch.testing.assert_close(grads, ref)
+
+
+def test_fused_swiglu_trains_like_the_separate_one():
+    torch.manual_seed(0)
+    fused = SwiGLU(32, 64)
+    separate = SwiGLU(32, 64, fused=False)
+    separate.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 4, 32)
+    calls = []
+    for ffn in (fused, separate):
+        ffn.w3.forward = lambda t, _m=ffn.w3: calls.append(1) or Linear.forward(_m, t)
+    with _bf16():
+        outs = [ffn(x) for ffn in (fused, separate)]
+    assert len(calls) == 1  # under autocast only the separate SwiGLU called w3 as a module
+    torch.testing.assert_close(outs[0], outs[1])
+    for out in outs:
+        out.float().square().sum().backward()
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, dict(separate.named_parameters())[name].grad, msg=name)
+    fused(x)
+    assert len(calls) == 2  # in full precision the projections stay separate (no weight copy saved)
+
+
+def test_fused_swiglu_saves_no_more_than_the_separate_one():
+    torch.manual_seed(0)
+    fused, separate = SwiGLU(32, 64), SwiGLU(32, 64, fused=False)
+    for x in (torch.randn(8, 32), torch.randn(8, 32, requires_grad=True)):  # a first layer's input, an activation
+        with _bf16():
+            assert _saved_bytes(lambda: fused(x)) <= _saved_bytes(lambda: separate(x))
+    separate.w1.weight.requires_grad_(False)
+    separate.w3.weight.requires_grad_(False)
+    fused.load_state_dict(separate.state_dict())
+    fused.w1.weight.requires_grad_(False)
+    fused.w3.weight.requires_grad_(False)
+    x = torch.randn(8, 32, requires_grad=True)
+    with _bf16():  # frozen projections: only the input gradient
+        assert _saved_bytes(lambda: fused(x)) <= _saved_bytes(lambda: separate(x))
+        out = fused(x)
+        ref = separate(x)
+    gx, = torch.autograd.grad(out.float().sum(), x)
+    rx, = torch.autograd.grad(ref.float().sum(), x)
+    torch.testing.assert_close(gx, rx)
+
+
+def test_can_fuse_only_plain_unhooked_linears_in_mixed_precision_training():
+    a, b, x = Linear(4, 4), Linear(4, 4), torch.randn(2, 4)
+    assert not can_fuse(x, a, b)  # full precision: the concatenated weight would be an extra saved copy
+    with _bf16():
+        assert can_fuse(x, a, b)
+        with torch.no_grad():
+            assert not can_fuse(x, a, b)  # decoding reads each weight once: no concatenation
+
+        class Wrapped(Linear):
+            pass
+
+        assert not can_fuse(x, a, Wrapped(4, 4))
+        handle = b.register_forward_pre_hook(lambda m, args: None)
+        assert not can_fuse(x, a, b)
+        handle.remove()
+        handle = a.register_forward_hook(lambda m, args, out: None)
+        assert not can_fuse(x, a, b)
+        handle.remove()
+        assert can_fuse(x, a, b)
+
+
+def test_a_hooked_projection_is_still_called_as_a_module():
+    ffn = SwiGLU(8, 16)
+    seen = []
+    ffn.w1.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    with _bf16():
+        ffn(torch.randn(2, 8))
+    assert seen == [torch.Size([2, 16])]

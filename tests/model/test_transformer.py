@@ -275,3 +275,38 @@ def test_qkv_init_is_a_config_switch():
         torch.testing.assert_close(dict(separate.named_parameters())[name], w * scale, msg=name)
     with pytest.raises(ValueError, match="model.qkv_init"):
         ModelConfig(qkv_init="xavier")
+
+
+def test_fused_projections_is_a_config_switch_with_the_same_keys_and_maths():
+    torch.manual_seed(0)
+    fused = build_model(ModelConfig(**TINY))
+    separate = build_model(ModelConfig(**TINY, fused_projections=False))
+    assert list(separate.state_dict()) == list(fused.state_dict())
+    separate.load_state_dict(fused.state_dict())
+    assert fused.layers[0].attn.fused_qkv and fused.layers[0].ffn.fused
+    assert not separate.layers[0].attn.fused_qkv and not separate.layers[0].ffn.fused
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(fused(ids), separate(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_projections_match_separate_ones_on_gpu(compiled):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=512, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=704,
+              attention_backend="flash_triton", device="cuda")
+    separate = TransformerLM(**kw, fused_projections=False)
+    fused = TransformerLM(**kw)
+    fused.load_state_dict(separate.state_dict())
+    ids = torch.randint(0, 512, (4, 256), device="cuda")
+    losses = []
+    for model in (separate, fused):
+        run = torch.compile(model) if compiled else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = cross_entropy(run(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+    for (name, p), q in zip(separate.named_parameters(), fused.parameters()):
+        assert ((p.grad - q.grad).norm() / p.grad.norm()).item() < 2e-2, name

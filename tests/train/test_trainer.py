@@ -175,6 +175,16 @@ def test_resume_accepts_a_run_written_before_qkv_init_existed(cfg, tmp_path):
     assert [s for s, _ in _losses(tmp_path / "run")][-1] == 12
 
 
+def test_resume_accepts_a_run_written_before_fused_projections_existed(cfg, tmp_path):
+    run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=8)))
+    saved = tmp_path / "run" / "config.toml"
+    text = saved.read_text()
+    assert "fused_projections = true" in text
+    saved.write_text(text.replace("fused_projections = true\n", ""))  # as an older run wrote it
+    run_training(replace(cfg, model=replace(cfg.model, fused_projections=False)), resume=True)  # same maths
+    assert [s for s, _ in _losses(tmp_path / "run")][-1] == 12
+
+
 def test_gradient_accumulation_matches_one_big_batch(cfg, tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (4, 16), generator=gen)

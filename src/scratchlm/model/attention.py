@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.model.functional import causal_mask, scaled_dot_product_attention
-from scratchlm.model.layers import Linear
+from scratchlm.model.layers import Linear, can_fuse, project_together
 from scratchlm.model.rope import RotaryEmbedding, apply_rope
 
 BACKENDS: dict[str, tuple[str, str] | None] = {
@@ -62,7 +62,8 @@ class MultiHeadSelfAttention(nn.Module):
     Submodules q_proj, k_proj, v_proj, output_proj (all d_model x d_model, bias-free). With a
     `rope`, queries and keys are rotated per head (d_k = d_model / num_heads). `layer_idx`
     names this layer's slot in a KV cache. `qkv_init` picks the init scale of q, k, v
-    (see `qkv_init_std`).
+    (see `qkv_init_std`). With `fused_qkv` (default), q, k and v are one matmul in mixed-precision
+    training (`layers.can_fuse`, `layers.project_together`); the three parameters stay separate.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class MultiHeadSelfAttention(nn.Module):
         *,
         backend: str = "math",
         qkv_init: str = "fused",
+        fused_qkv: bool = True,
         layer_idx: int = 0,
         device=None,
         dtype=None,
@@ -88,6 +90,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.rope = rope
         self.backend = backend
         self.layer_idx = layer_idx
+        self.fused_qkv = fused_qkv
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
         # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
@@ -123,9 +126,11 @@ class MultiHeadSelfAttention(nn.Module):
         positions then default to those that follow the cached ones.
         """
         B, T, _ = x.shape
-        q = self._split_heads(self.q_proj(x))
-        k = self._split_heads(self.k_proj(x))
-        v = self._split_heads(self.v_proj(x))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fused_qkv and kv_cache is None and can_fuse(x, *projections):
+            q, k, v = map(self._split_heads, project_together(x, projections))
+        else:
+            q, k, v = (self._split_heads(proj(x)) for proj in projections)
 
         if self.rope is not None:
             if token_positions is None and kv_cache is not None:

@@ -26,6 +26,9 @@ class ModelConfig:
     # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
     # map they form (as a fused qkv nn.Linear); "separate" sqrt(2/(d+d)) each (before Dec 2026).
     qkv_init: str = "fused"
+    # Mixed-precision training computes q/k/v, and SwiGLU's w1/w3, each as one forward matmul over
+    # the concatenated weights (wider GPU matmuls); parameters, names and maths are the same.
+    fused_projections: bool = True
     moe_num_experts: int = 8  # ffn="moe": routed experts per layer, each a SwiGLU of width d_ff
     moe_top_k: int = 2  # ffn="moe": experts each token is sent to
     moe_capacity_factor: float | None = None  # ffn="moe": capacity ceil(f*tokens*top_k/experts); none = dropless

@@ -42,6 +42,63 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def can_fuse(x: Tensor, *linears: nn.Module) -> bool:
+    """Whether `project_together(x, linears)` may stand in for calling each of `linears` on x.
+
+    Only in mixed-precision training: autograd records and autocast is on for x's device, so
+    each weight is cast to a low-precision copy that is saved for the backward anyway (in full
+    precision the concatenated weight would be an extra copy; under no_grad, decoding, each
+    weight is read once per token and concatenating them costs more than it saves). Only plain
+    `Linear`s without hooks qualify: a wrapped, replaced or hooked projection (FSDP's sharded
+    weights, a LoRA module, profiling ranges) is still called as a module.
+    """
+    return (torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type) and all(
+        type(m) is Linear and not m._forward_hooks and not m._forward_pre_hooks for m in linears))
+
+
+class _ProjectTogether(torch.autograd.Function):
+    """Forward: one matmul against the concatenated weights. Backward: per projection, as
+    separate Linears would (so the output gradients are never concatenated)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dtype: torch.dtype, *weights: Tensor) -> tuple[Tensor, ...]:
+        xc = x.to(dtype)
+        wc = [w.to(dtype) for w in weights]
+        # as a matmul does: the weights only if x needs a gradient, x only if a weight does
+        needs_x, needs_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
+        ctx.save_for_backward(xc if needs_w else None, *(wc if needs_x else [None] * len(wc)))
+        ctx.dtypes = (x.dtype, [w.dtype for w in weights])
+        y = xc @ torch.cat(wc).t()
+        return tuple(y.split([w.shape[0] for w in wc], dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        xc, *wc = ctx.saved_tensors
+        x_dtype, w_dtypes = ctx.dtypes
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(grads, wc):
+                grad_x = g @ w if grad_x is None else grad_x + g @ w
+            grad_x = grad_x.to(x_dtype)
+        grad_w = [None] * len(grads)
+        if xc is not None:
+            flat_x = xc.reshape(-1, xc.shape[-1])
+            grad_w = [(g.reshape(-1, g.shape[-1]).t() @ flat_x).to(d) if need else None
+                      for g, d, need in zip(grads, w_dtypes, ctx.needs_input_grad[2:])]
+        return grad_x, None, *grad_w
+
+
+def project_together(x: Tensor, linears: tuple[Linear, ...]) -> tuple[Tensor, ...]:
+    """(x W_1ᵀ, x W_2ᵀ, ...) under autocast, the forward as one matmul with the weights
+    concatenated (a wider matmul runs closer to the GPU's peak): x (..., in) -> a tuple of
+    (..., out_i) in the autocast dtype. Same parameters and gradients as separate calls; the
+    backward runs per projection, since concatenating the output gradients for one wide matmul
+    costs more than it saves (docs/benchmarks/train_step.md)."""
+    dtype = torch.get_autocast_dtype(x.device.type)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ProjectTogether.apply(x, dtype, *(m.weight for m in linears))
+
+
 class Embedding(nn.Module):
     """Lookup table: token ids (...) -> vectors (..., embedding_dim).
 
@@ -91,17 +148,23 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """Gated feed-forward net `w2(silu(w1 x) * w3 x)`; x: (..., d_model) -> (..., d_model).
 
-    w1, w3: d_model -> d_ff; w2: d_ff -> d_model.
+    w1, w3: d_model -> d_ff; w2: d_ff -> d_model. With `fused` (default), w1 x and w3 x are one
+    matmul in mixed-precision training (`can_fuse`, `project_together`); the parameters stay separate.
     """
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(silu(self.w1(x)) * self.w3(x))
+        if self.fused and can_fuse(x, self.w1, self.w3):
+            gate, up = project_together(x, (self.w1, self.w3))
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(silu(gate) * up)
 
 
 class SiLUFFN(nn.Module):

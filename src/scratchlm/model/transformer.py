@@ -22,6 +22,9 @@ state_dict (default keys are listed in DESIGN.md):
   training with logits of std sqrt(d_model).
 - attention_backend: "math", "flash_torch" or "flash_triton" (see attention.py); no keys change.
 - qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
+- fused_projections: True (default) computes q/k/v, and SwiGLU's w1/w3, each as one forward
+  matmul over the concatenated weights in mixed-precision training (`layers.project_together`);
+  no keys change.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ def _moe_module():
     return moe
 
 
-def _make_ffn(kind: str, d_model: int, d_ff: int, moe_options: dict[str, Any] | None, device, dtype) -> nn.Module:
+def _make_ffn(kind: str, d_model: int, d_ff: int, moe_options: dict[str, Any] | None, device, dtype,
+              fused: bool = True) -> nn.Module:
     if kind == "swiglu":
-        return SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        return SwiGLU(d_model, d_ff, device=device, dtype=dtype, fused=fused)
     if kind == "silu":
         return SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
     if kind == "moe":
@@ -90,6 +94,7 @@ class TransformerBlock(nn.Module):
         ffn: str = "swiglu",
         attention_backend: str = "math",
         qkv_init: str = "fused",
+        fused_projections: bool = True,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         rope: RotaryEmbedding | None = None,
@@ -110,12 +115,13 @@ class TransformerBlock(nn.Module):
             rope if use_rope else None,
             backend=attention_backend,
             qkv_init=qkv_init,
+            fused_qkv=fused_projections,
             layer_idx=layer_idx,
             device=device,
             dtype=dtype,
         )
         self.ln2 = _make_norm(use_rmsnorm, d_model, rmsnorm_eps, device, dtype)
-        self.ffn = _make_ffn(ffn, d_model, d_ff, moe_options, device, dtype)
+        self.ffn = _make_ffn(ffn, d_model, d_ff, moe_options, device, dtype, fused=fused_projections)
 
     def forward(
         self,
@@ -156,6 +162,7 @@ class TransformerLM(nn.Module):
         tie_embeddings: bool = False,
         attention_backend: str = "math",
         qkv_init: str = "fused",
+        fused_projections: bool = True,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         device=None,
@@ -184,6 +191,7 @@ class TransformerLM(nn.Module):
                 ffn=ffn,
                 attention_backend=attention_backend,
                 qkv_init=qkv_init,
+                fused_projections=fused_projections,
                 rmsnorm_eps=rmsnorm_eps,
                 moe_options=moe_options,
                 rope=rope,
@@ -284,6 +292,7 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         tie_embeddings=cfg.tie_embeddings,
         attention_backend=cfg.attention_backend,
         qkv_init=cfg.qkv_init,
+        fused_projections=cfg.fused_projections,
         rmsnorm_eps=cfg.rmsnorm_eps,
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
         device=device,

@@ -62,6 +62,7 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = Fa
 
 
 INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights
+COMPUTE_ONLY = frozenset({"fused_projections"})  # model fields that only change how the same maths runs
 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
@@ -73,9 +74,11 @@ def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
         return
     old = tomllib.loads(saved.read_text(encoding="utf-8")).get("model", {})
     new = config_to_dict(cfg.model)
-    # Fields that only choose the initialisation do not matter to a resumed run (its weights come
-    # from the checkpoint), and runs written before such a field existed do not name it.
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in INIT_ONLY)
+    # Fields that only choose the initialisation (its weights come from the checkpoint) or the
+    # kernels' arrangement do not matter to a resumed run, and runs written before such a field
+    # existed do not name it.
+    changed = sorted(k for k in set(old) | set(new)
+                     if old.get(k) != new.get(k) and k not in INIT_ONLY | COMPUTE_ONLY)
     if changed:
         raise UserError(f"--resume: the model in {saved} differs from this config in "
                         f"{', '.join('model.' + k for k in changed)}")
