@@ -101,9 +101,11 @@ def _alloc_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _alloc_out(q: torch.Tensor) -> torch.Tensor:
-    # The output of (B, H, T, d) inputs is laid out (B, T, H, d) in memory, as PyTorch's SDPA
-    # kernels do, whatever q's layout: the model's transpose back to (B, T, H·d) is then a view
-    # and not a copy per layer. The fake kernel uses the same rule.
+    # The output of (B, H, T, d) inputs, and the gradients of q, k and v, are laid out
+    # (B, T, H, d) in memory, as PyTorch's SDPA kernels lay out their output, whatever the
+    # inputs' layout: the model's transpose back to (B, T, H·d) is then a view, not a copy per
+    # layer, and the RoPE backward and the projections' matmuls read the gradients in place.
+    # The fake kernels use the same rule.
     if q.dim() == 4:
         B, H, T, D = q.shape
         return torch.empty((B, T, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -128,7 +130,7 @@ def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _backward_triton(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor,
                      is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    dq, dk, dv = _alloc_out(q), _alloc_out(k), _alloc_out(v)
     tensors = [_as_4d(t) for t in (grad_out, q, k, v, out, dq, dk, dv)]
     lse3 = lse.unsqueeze(1) if q.dim() == 3 else lse
     _launch_backward(*tensors, lse3.contiguous(), is_causal, autotune=_should_autotune(q))
@@ -595,7 +597,7 @@ def _backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return _backward_triton(grad_out, q, k, v, out, lse, is_causal)
     dq, dk, dv = flash_attention_backward_torch(q, k, v, out, lse, grad_out, is_causal)
     # ops may not return views of inputs; these are fresh, but keep the fake's layout.
-    return tuple(_alloc_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
+    return tuple(_alloc_out(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
 
 
 def _forward_fake(q, k, v, is_causal):
@@ -604,7 +606,7 @@ def _forward_fake(q, k, v, is_causal):
 
 
 def _backward_fake(grad_out, q, k, v, out, lse, is_causal):
-    return _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    return _alloc_out(q), _alloc_out(k), _alloc_out(v)
 
 
 def _register(name: str, impl, fake):

@@ -140,8 +140,8 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
       that feeds the next matmul (3·T·D); without RMSNorm, only the matmul input (T·D);
     - attention, "math" backend: q and k after RoPE, v, and the attention output fed to
       ``output_proj`` (4·T·D); the scaled scores, their exponentials and the probabilities
-      (3·H·T·T, the term quadratic in T); flash backends keep their output and a (H, T)
-      log-sum-exp instead (T·D + H·T);
+      (3·H·T·T, the term quadratic in T); flash backends keep only a (H, T) log-sum-exp
+      beyond those (H·T): their output, laid out (T, H, d), is itself what feeds ``output_proj``;
     - SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and the product fed to w2 (5·T·F);
       SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F);
     - MoE: the router logits, probabilities and their logarithms (3·T·E), the gathered
@@ -159,8 +159,7 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
     V, D, L, F, H = cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff, cfg.num_heads
     # Without RMSNorm the next matmul still keeps its input: the residual stream itself.
     norm = 3 * T * D if cfg.use_rmsnorm else T * D
-    # Flash kernels keep their own output as well as the copy that feeds output_proj.
-    scores = 3 * H * T * T if cfg.attention_backend == "math" else T * D + H * T
+    scores = 3 * H * T * T if cfg.attention_backend == "math" else H * T
     if cfg.ffn == "swiglu":
         ffn = 5 * T * F
     elif cfg.ffn == "silu":

@@ -106,9 +106,9 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype, init_std=qkv_std)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
 
-    def _split_heads(self, x: Tensor) -> Tensor:
+    def _heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+        return x.view(B, T, self.num_heads, self.head_dim)  # (B, T, H, d): a view, no copy
 
     def forward(
         self,
@@ -128,20 +128,23 @@ class MultiHeadSelfAttention(nn.Module):
         B, T, _ = x.shape
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if self.fused_qkv and kv_cache is None and can_fuse(x, *projections):
-            q, k, v = map(self._split_heads, project_together(x, projections))
+            q, k, v = map(self._heads, project_together(x, projections))
         else:
-            q, k, v = (self._split_heads(proj(x)) for proj in projections)
+            q, k, v = (self._heads(proj(x)) for proj in projections)
 
         if self.rope is not None:
             if token_positions is None and kv_cache is not None:
                 token_positions = kv_cache.positions(T, layer_idx=self.layer_idx, device=x.device)
             elif token_positions is None:
                 token_positions = torch.arange(T, device=x.device)
-            if token_positions.dim() >= 2:
-                token_positions = token_positions.unsqueeze(-2)  # (B, 1, T): broadcast over heads
-            cos, sin = self.rope.tables(token_positions)  # (T, d/2) or (B, 1, T, d/2)
+            cos, sin = self.rope.tables(token_positions)  # (T, d/2) or (B, T, d/2)
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+            # Rotated in the (B, T, H, d) layout of the projections: an elementwise pass with
+            # no transpose, whose output the heads-first views below (and their gradients,
+            # which the flash kernels lay out the same way) share without a copy.
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
 
         if kv_cache is not None:
             if attention_mask is not None:
