@@ -145,6 +145,52 @@ def _scratchlm_model(shape, backend="flash_triton", fused_projections=True):
     return build_model(cfg, device="cuda")
 
 
+def make_reference(shape: dict, holder: dict, compile_loss: bool):
+    """`make(x, y) -> step` of the torch.nn reference: its model compiled, and with `compile_loss`
+    the float32 upcast and cross-entropy compiled with it (nanoGPT-style). The model is kept in
+    `holder["m"]` (the caller drops it to free the memory)."""
+    def make(x, y):
+        torch.manual_seed(0)
+        m = RefLM(**{k: v for k, v in shape.items() if k != "batch"}).cuda()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+        holder["m"] = m
+        if compile_loss:
+            return _step_fn(m, opt, x, y, torch.compile(_plain_loss))
+        return _step_fn(torch.compile(m), opt, x, y, _plain_loss)
+    return make
+
+
+def make_scratchlm(shape: dict, holder: dict, optimizer: str, fused_head: bool = False, mode: str = "default",
+                   compile_loss: bool = False, fused_projections: bool = True):
+    """`make(x, y) -> step` of scratchlm's compiled step in one VARIANTS configuration; the model
+    is kept in `holder["m"]`."""
+    from scratchlm.optim.adamw import AdamW
+
+    def make(x, y):
+        torch.manual_seed(0)
+        m = holder["m"] = _scratchlm_model(shape, fused_projections=fused_projections)
+        opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
+               else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
+        if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)
+            from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+            trunk = torch.compile(m.hidden_states, mode=mode)
+            step = _step_fn(m, opt, x, y, lambda _m, a, b: fused_linear_cross_entropy(
+                trunk(a), m.lm_head.weight, b))
+        elif compile_loss:
+            step = _step_fn(m, opt, x, y, torch.compile(_plain_loss, mode=mode))
+        else:
+            step = _step_fn(torch.compile(m, mode=mode), opt, x, y, _plain_loss)
+        if mode != "reduce-overhead":
+            return step
+
+        def graphed_step():
+            torch.compiler.cudagraph_mark_step_begin()
+            step()
+        return graphed_step
+    return make
+
+
 PROFILE_ROWS = 0  # --profile: a kernel table of each variant after its timing
 ON_ROW = None  # called with each measured row (main writes the JSON so far: a timed-out run keeps its rows)
 
@@ -260,55 +306,21 @@ def run_shape(key, warmup, steps, variants=("foreach", "torch_fused")):
         _compare(ref, rows[1:])
         return {"shape": key, **shape, "rows": rows}
 
-    def reference(compile_loss):
-        def make(x, y):
-            torch.manual_seed(0)
-            m = RefLM(**{k: v for k, v in shape.items() if k != "batch"}).cuda()
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
-            holder["m"] = m
-            if compile_loss:  # model, float32 upcast and cross-entropy in one compiled graph (nanoGPT-style)
-                return _step_fn(m, opt, x, y, torch.compile(_plain_loss))
-            return _step_fn(torch.compile(m), opt, x, y, _plain_loss)
-        return make
-
-    def ours(optimizer, fused_head=False, mode="default", compile_loss=False, fused_projections=True):
-        def make(x, y):
-            torch.manual_seed(0)
-            m = holder["m"] = _scratchlm_model(shape, fused_projections=fused_projections)
-            opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
-                   else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
-            if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)
-                from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-                trunk = torch.compile(m.hidden_states, mode=mode)
-                step = _step_fn(m, opt, x, y, lambda _m, a, b: fused_linear_cross_entropy(
-                    trunk(a), m.lm_head.weight, b))
-            elif compile_loss:
-                step = _step_fn(m, opt, x, y, torch.compile(_plain_loss, mode=mode))
-            else:
-                step = _step_fn(torch.compile(m, mode=mode), opt, x, y, _plain_loss)
-            if mode != "reduce-overhead":
-                return step
-
-            def graphed_step():
-                torch.compiler.cudagraph_mark_step_begin()
-                step()
-            return graphed_step
-        return make
-
     # Two references: the model compiled and the loss eager (the reference of the earlier runs),
     # and model + loss compiled together; ratios are given against both, and the faster one is
     # the bar (the best plain-PyTorch setup).
-    ref = _measure("torch.nn reference (SDPA, fused AdamW)", reference(False), shape, warmup, steps, flops_token)
+    ref = _measure("torch.nn reference (SDPA, fused AdamW)", make_reference(shape, holder, False), shape,
+                   warmup, steps, flops_token)
     holder.pop("m", None)
     torch._dynamo.reset()  # each variant compiles afresh (the loss function is shared between them)
-    ref_cl = _measure("torch.nn reference, loss compiled too", reference(True), shape, warmup, steps, flops_token)
+    ref_cl = _measure("torch.nn reference, loss compiled too", make_reference(shape, holder, True), shape,
+                      warmup, steps, flops_token)
     holder.pop("m", None)
     rows = [ref, ref_cl]
     for name in variants:
         label, kwargs = VARIANTS[name]
         torch._dynamo.reset()
-        rows.append(_measure(label, ours(**kwargs), shape, warmup, steps, flops_token))
+        rows.append(_measure(label, make_scratchlm(shape, holder, **kwargs), shape, warmup, steps, flops_token))
         holder.clear()
     _compare(ref, rows[1:])
     best = max((r for r in (ref, ref_cl) if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"], default=ref)

@@ -7,13 +7,15 @@ every helper here is a no-op (or raises a clear error where CUDA is required).
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["nvtx_range", "add_layer_nvtx_ranges", "memory_snapshot", "profile_table"]
+__all__ = ["nvtx_range", "add_layer_nvtx_ranges", "memory_snapshot", "profile_table", "KERNEL_CLASSES",
+           "kernel_class", "kernel_times", "kernel_breakdown"]
 
 
 def _nvtx_enabled() -> bool:
@@ -87,3 +89,57 @@ def profile_table(fn: Callable[[], Any], steps: int = 2, *, row_limit: int = 20)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+
+
+# Classes of GPU kernels in a training step, first match wins: cuBLAS/CUTLASS matmuls (nvjet is
+# cuBLAS's Hopper family), attention (scratchlm's Triton kernels, cuDNN's and FlashAttention's),
+# the LM head's loss kernel, optimizer kernels (fused and multi-tensor), and Inductor's generated
+# Triton kernels (the fused elementwise and reduction work: norms, RoPE, SwiGLU, casts).
+KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
+    ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|splitKreduce"),
+    ("attention", r"^_fwd_kernel|^_bwd_(dkdv|dq|preprocess)|cudnn|flash|fmha|sdpa"),
+    ("loss", r"cross_entropy"),
+    ("optimizer", r"adam|multi_tensor_apply"),
+    ("inductor", r"^triton_"),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The KERNEL_CLASSES name of a GPU kernel, or "other" (copies, memsets, eager elementwise)."""
+    return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def kernel_times(fn: Callable[[], Any], steps: int = 2, *, warmup: int = 1) -> dict[str, tuple[float, float]]:
+    """Run ``fn`` ``steps`` times under torch.profiler: {kernel name: (ms per call of fn, launches
+    per call)}, GPU kernels only (user annotations such as ``Optimizer.step#...`` excluded)."""
+    if not torch.cuda.is_available():
+        from scratchlm.errors import UserError
+
+        raise UserError("kernel_times needs a CUDA device")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        total_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        times[e.key] = (total_us / 1e3 / steps, e.count / steps)
+    return times
+
+
+def kernel_breakdown(times: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Milliseconds per class (KERNEL_CLASSES, then "other") of ``kernel_times``' result, plus
+    "total"; classes in decreasing time."""
+    by_class: dict[str, float] = {}
+    for name, (ms, _) in times.items():
+        cls = kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+    out = dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
+    out["total"] = sum(by_class.values())
+    return out

@@ -1,0 +1,80 @@
+"""Where a training step's GPU time goes: scratchlm's step vs the torch.nn reference, by kernel class.
+
+    python benchmarks/step_breakdown.py [--shape gpt2small] [--variant cudagraphs] [--rows 30]
+        [--json out.json]
+
+Builds the two steps of `train_step.py` at one of its shapes: the reference that compiles its
+model and loss together (its faster form) and one scratchlm variant of `train_step.VARIANTS`
+(default "cudagraphs": fused LM head, Triton AdamW, CUDA graphs). Each is timed (median of
+synchronised steps and back to back, as in `train_step.py`), then profiled over two steps:
+milliseconds per step of each kernel class (`scratchlm.bench.profile.KERNEL_CLASSES`: matmul,
+attention, loss, optimizer, Inductor's fused kernels, other) side by side, and each step's
+largest kernels. The profiler adds some time to every kernel, so its totals run a few percent
+above the timed step; compare the two sides within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import train_step as ts
+from scratchlm.bench.harness import benchmark
+from scratchlm.bench.profile import kernel_breakdown, kernel_times
+
+
+def measure(name: str, make, shape: dict, rows: int) -> dict:
+    B, T = shape["batch"], shape["context_length"]
+    x = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
+    y = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
+    torch._dynamo.reset()
+    step = make(x, y)
+    r = benchmark(step, warmup=3, steps=10)
+    b2b = ts._back_to_back(step, 10)
+    times = kernel_times(step, steps=2)
+    print(f"\n{name}: {r.median * 1e3:.2f} ms per step synchronised (std {r.std * 1e3:.2f}), "
+          f"{b2b * 1e3:.2f} ms back to back", flush=True)
+    for kernel, (ms, launches) in sorted(times.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {ms:8.3f} ms {launches:5.0f}x  {kernel[:120]}")
+    return {"variant": name, "median_ms": r.median * 1e3, "back_to_back_ms": b2b * 1e3,
+            "classes_ms": kernel_breakdown(times), "kernels": {k: list(v) for k, v in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=[k for k in ts.SHAPES if k != "longctx"], default="gpt2small")
+    p.add_argument("--variant", choices=list(ts.VARIANTS), default="cudagraphs")
+    p.add_argument("--rows", type=int, default=30, help="largest kernels listed per step")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("step_breakdown needs a CUDA device", file=sys.stderr)
+        return 2
+    shape = ts.SHAPES[args.shape]
+    label, kwargs = ts.VARIANTS[args.variant]
+    holder: dict = {}
+    results = [measure("torch.nn reference, model + loss compiled", ts.make_reference(shape, holder, True),
+                       shape, args.rows)]
+    holder.clear()
+    results.append(measure(label, ts.make_scratchlm(shape, holder, **kwargs), shape, args.rows))
+    holder.clear()
+    ref, ours = (r["classes_ms"] for r in results)
+    print(f"\n{args.shape}: ms per step by kernel class (profiled)")
+    print(f"  {'class':<12}{'reference':>11}{'scratchlm':>11}{'difference':>12}")
+    for cls in [c for c in dict.fromkeys([*ref, *ours]) if c != "total"] + ["total"]:
+        a, b = ref.get(cls, 0.0), ours.get(cls, 0.0)
+        print(f"  {cls:<12}{a:11.2f}{b:11.2f}{b - a:+12.2f}")
+    ratio = results[0]["median_ms"] / results[1]["median_ms"]
+    print(f"  speed ratio, scratchlm vs reference: {ratio:.3f}x synchronised, "
+          f"{results[0]['back_to_back_ms'] / results[1]['back_to_back_ms']:.3f}x back to back")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, **shape, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
