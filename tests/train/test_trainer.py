@@ -447,6 +447,10 @@ def test_steps_match_a_plain_torch_recipe_given_the_same_weights_and_batches(cfg
         opt.step()
         opt.zero_grad(set_to_none=True)
         assert trainer._lr == pytest.approx(lr_of(s))
+        # Adam divides each gradient by its own magnitude: where a gradient is near zero (~1e-7
+        # here) the rounding differences between scratchlm's loss/clip and torch's move that
+        # element's update by ~1e-3 of the lr. A recipe error (lr, betas, eps, decay, clipping)
+        # moves nearly every weight by ~1e-1 of the lr, far outside atol.
         for (name, a), b in zip(trainer.raw_model.named_parameters(), model.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} after update {s}")
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} after update {s}")
     assert trainer._lr > 0 and lr_of(steps) == pytest.approx(oc.min_lr)
