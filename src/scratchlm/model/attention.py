@@ -131,6 +131,15 @@ class MultiHeadSelfAttention(nn.Module):
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)
+        flash = (self._flash is not None and kv_cache is None and attention_mask is None
+                 and not (self.backend == "flash_triton" and not x.is_cuda))
+        # The flash kernels take q/k/v in the projections' (B, T, H, d) layout (as strided
+        # (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates them there:
+        # an elementwise pass with no transpose, forward and backward. The math path multiplies
+        # q and k as batched matrices, which wants them heads-first in memory: RoPE then writes
+        # them so.
+        if not flash:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
 
         if self.rope is not None:
             if token_positions is None and kv_cache is not None:
@@ -138,13 +147,14 @@ class MultiHeadSelfAttention(nn.Module):
             elif token_positions is None:
                 token_positions = torch.arange(T, device=x.device)
             cos, sin = self.rope.tables(token_positions)  # (T, d/2) or (B, T, d/2)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-            # Rotated in the (B, T, H, d) layout of the projections: an elementwise pass with
-            # no transpose, whose output the heads-first views below (and their gradients,
-            # which the flash kernels lay out the same way) share without a copy.
+            if flash:
+                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., T, 1, d/2): over heads
+            elif cos.dim() >= 3:
+                cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, T, d/2): over heads
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
+        if flash:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
 
         if kv_cache is not None:
             if attention_mask is not None:
@@ -155,7 +165,7 @@ class MultiHeadSelfAttention(nn.Module):
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
             out = scaled_dot_product_attention(q, k, v, mask)
-        elif self._flash is not None and not (self.backend == "flash_triton" and not x.is_cuda):
+        elif flash:
             out = self._flash(q, k, v, True)
         else:
             out = scaled_dot_product_attention(q, k, v, causal_mask(T, device=x.device))
