@@ -3,7 +3,13 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.kernels.flash_attention_torch import naive_attention
-from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, flash_attention, triton_available
+from scratchlm.kernels.flash_attention_triton import (
+    FlashAttentionTriton,
+    flash_attention,
+    flash_attention_qkv,
+    triton_available,
+)
+from scratchlm.model.rope import RotaryEmbedding, apply_rope
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,6 +123,78 @@ def test_torch_compile_full_graph_cpu(use_function):
     torch.testing.assert_close(grad, x.grad, rtol=1e-4, atol=1e-4)
 
 
+# --- attention over the concatenated projections, RoPE undone in the backward -----------------
+
+def _rope_then_attention(qkv, num_heads, cos, sin, is_causal=True):
+    # the composition flash_attention_qkv stands in for, from torch ops
+    B, T, _ = qkv.shape
+    q, k, v = qkv.view(B, T, 3, num_heads, -1).unbind(2)
+    if cos is not None:
+        q, k = (apply_rope(t, cos.unsqueeze(-2), sin.unsqueeze(-2)) for t in (q, k))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return naive_attention(q, k, v, is_causal)
+
+
+def _check_qkv_against_float64(B, T, H, D, positions, dtype, device, tol, use_rope=True):
+    torch.manual_seed(T * D)
+    rope = RotaryEmbedding(10_000.0, D, 4 * T + 8, device=device)
+    cos, sin = rope.tables(positions.to(device)) if use_rope else (None, None)
+    qkv = torch.randn(B, T, 3 * H * D, device=device, dtype=dtype, requires_grad=True)
+    out = flash_attention_qkv(qkv, H, cos, sin)
+    assert out.shape == (B, H, T, D) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, qkv, g)
+    assert grad.shape == qkv.shape and grad.is_contiguous()
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = _rope_then_attention(qkv64, H, cos, sin)
+    (ref_grad,) = torch.autograd.grad(ref, qkv64, g.double())
+    assert _rel(out, ref) < tol
+    for block, ref_block in zip(grad.chunk(3, -1), ref_grad.chunk(3, -1)):  # dq, dk, dv
+        assert _rel(block, ref_block) < tol
+
+
+@pytest.mark.parametrize("use_rope", [True, False])
+@pytest.mark.parametrize("per_sequence_positions", [False, True])
+def test_qkv_form_cpu_matches_rope_then_attention(per_sequence_positions, use_rope):
+    B, T = 2, 19
+    positions = torch.stack([torch.arange(T), torch.arange(T) + 7]) if per_sequence_positions else torch.arange(T)
+    _check_qkv_against_float64(B, T, 3, 8, positions, torch.float32, "cpu", 1e-5, use_rope)
+
+
+def test_qkv_form_fake_gradient_is_one_contiguous_tensor():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scratchlm.kernels.flash_attention_triton import flash_attention_backward_qkv_op
+
+    with FakeTensorMode():
+        q = torch.empty(2, 17, 3, 4, 8).select(2, 0).transpose(1, 2)  # (B, H, T, d) view
+        lse = torch.empty(2, 4, 17)
+        grad = flash_attention_backward_qkv_op(q, q, q, q, q, lse, None, None, True)
+    assert grad.shape == (2, 17, 3 * 4 * 8) and grad.is_contiguous()
+
+
+def test_qkv_form_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="3·heads·d"):
+        flash_attention_qkv(torch.randn(2, 5, 40), 3)
+    with pytest.raises(ValueError, match="cos and sin"):
+        flash_attention_qkv(torch.randn(2, 5, 48), 2, torch.randn(5, 4), None)
+
+
+def test_qkv_form_compiles_into_one_graph_cpu():
+    torch._dynamo.reset()
+    rope = RotaryEmbedding(10_000.0, 8, 64)
+    cos, sin = rope.tables(torch.arange(24))
+
+    def f(x):
+        return flash_attention_qkv(x * 2, 2, cos, sin).square().sum()
+
+    x = torch.randn(2, 24, 48, requires_grad=True)
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    (grad,) = torch.autograd.grad(loss, x)
+    (ref,) = torch.autograd.grad(f(x), x)
+    torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-4)
+
+
 # --- GPU: the Triton kernels ------------------------------------------------------------------
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -207,8 +285,30 @@ def test_ops_are_triton_ops_that_name_their_kernels():
         return {getattr(getattr(k, "fn", k), "__name__", "") for k in get_triton_kernels_for_op(op)}
 
     assert names("scratchlm::flash_attention_forward") == {"_fwd_kernel"}
-    assert names("scratchlm::flash_attention_backward") == {"_bwd_preprocess_kernel", "_bwd_dkdv_kernel",
-                                                            "_bwd_dq_kernel"}
+    backward = {"_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
+    assert names("scratchlm::flash_attention_backward") == backward
+    assert names("scratchlm::flash_attention_backward_qkv") == backward
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype,shape,tol", [
+    (torch.bfloat16, (2, 1024, 4, 64), 2e-2),  # autotuned tiles
+    (torch.bfloat16, (2, 2048, 2, 128), 2e-2),
+    (torch.bfloat16, (3, 333, 2, 64), 2e-2),  # ragged tiles
+    (torch.float32, (2, 77, 3, 32), 1e-4),
+])
+@pytest.mark.parametrize("per_sequence_positions", [False, True])
+def test_triton_qkv_form_matches_float64(dtype, shape, tol, per_sequence_positions):
+    B, T, H, D = shape
+    positions = torch.arange(T).expand(B, T) + torch.arange(B)[:, None] * 3 if per_sequence_positions else torch.arange(T)
+    _check_qkv_against_float64(B, T, H, D, positions, dtype, "cuda", tol)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_triton_qkv_form_without_rope():
+    _check_qkv_against_float64(2, 300, 2, 64, torch.arange(300), torch.bfloat16, "cuda", 2e-2, use_rope=False)
 
 
 @pytest.mark.gpu
@@ -341,7 +441,8 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
 @pytest.mark.parametrize("scale_type", ["fp32", "fp64"])  # Inductor passes a Python float as fp64
 @pytest.mark.parametrize("name", ["_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])
 @pytest.mark.parametrize("is_causal,even", [(True, True), (False, False)])
-def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, is_causal, even):
+@pytest.mark.parametrize("rope", [False, True])
+def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, is_causal, even, rope):
     # Ahead-of-time compilation to a Hopper cubin needs no GPU; an fp64 scale once made the
     # softmax, and so the tl.dot accumulator, fp64, which Triton rejects at compile time.
     import triton
@@ -356,9 +457,12 @@ def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, i
     fn = getattr(fat, name)
     while not isinstance(fn, JITFunction):  # autotuner / heuristics wrappers
         fn = fn.fn
-    tensors = {"LSE": "*fp32", "DELTA": "*fp32"}
+    if rope and "ROPE" not in fn.arg_names:
+        pytest.skip("the forward takes q and k rotated")
+    tensors = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32"}
     meta = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=is_causal, EVEN_D=True,
-                EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32")
+                EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32", ROPE=rope)
+    meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     signature = {}
     for arg in fn.arg_names:
         if arg in meta:

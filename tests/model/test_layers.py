@@ -123,6 +123,23 @@ def test_project_together_is_each_projection_with_the_same_gradients():
     torch.testing.assert_close(grads, ref)
 
 
+def test_project_together_concatenated_is_one_output_with_the_same_gradients():
+    torch.manual_seed(0)
+    a, b = Linear(32, 48), Linear(32, 16)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    with _bf16():
+        y = project_together(x, (a, b), concatenated=True)
+        ref = torch.cat([a(x), b(x)], dim=-1)
+    assert y.shape == (2, 5, 64) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref)
+    gy = torch.randn_like(y)
+    grads = torch.autograd.grad((y * gy).sum(), (x, a.weight, b.weight))
+    ref_grads = torch.autograd.grad((ref * gy).sum(), (x, a.weight, b.weight))
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    # one bf16 matmul against the concatenated weight rounds x's gradient once, not per projection
+    torch.testing.assert_close(grads, ref_grads, rtol=2e-2, atol=2e-2)
+
+
 def test_fused_swiglu_trains_like_the_separate_one():
     torch.manual_seed(0)
     fused = SwiGLU(32, 64)

@@ -93,13 +93,15 @@ def profile_table(fn: Callable[[], Any], steps: int = 2, *, row_limit: int = 20)
 
 # Classes of GPU kernels in a training step, first match wins: cuBLAS/CUTLASS matmuls (nvjet is
 # cuBLAS's Hopper family), attention (scratchlm's Triton kernels, cuDNN's and FlashAttention's),
-# the LM head's loss kernel, optimizer kernels (fused and multi-tensor), and Inductor's generated
-# Triton kernels (the fused elementwise and reduction work: norms, RoPE, SwiGLU, casts).
+# the LM head's loss kernel, optimizer kernels (fused and multi-tensor), the SwiGLU gate's
+# backward kernel, and Inductor's generated Triton kernels (the fused elementwise and reduction
+# work: norms, RoPE, the SwiGLU forward, casts).
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|splitKreduce"),
     ("attention", r"^_fwd_kernel|^_bwd_(dkdv|dq|preprocess)|cudnn|flash|fmha|sdpa"),
     ("loss", r"cross_entropy"),
     ("optimizer", r"adam|multi_tensor_apply"),
+    ("swiglu", r"swiglu"),
     ("inductor", r"^triton_"),
 )
 

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 from contextlib import nullcontext as _nullcontext
+from typing import Optional
 
 import torch
 
@@ -54,8 +55,9 @@ from scratchlm.kernels.flash_attention_torch import (
     flash_attention_backward_torch,
     flash_attention_forward_torch,
 )
+from scratchlm.model.rope import apply_rope
 
-__all__ = ["FlashAttentionTriton", "flash_attention", "triton_available"]
+__all__ = ["FlashAttentionTriton", "flash_attention", "flash_attention_qkv", "triton_available"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -135,6 +137,24 @@ def _backward_triton(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     lse3 = lse.unsqueeze(1) if q.dim() == 3 else lse
     _launch_backward(*tensors, lse3.contiguous(), is_causal, autotune=_should_autotune(q))
     return dq, dk, dv
+
+
+def _packed_grads(q: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    # One (B, T, 3·H·d) buffer, the gradient of the concatenated q|k|v projections, and its three
+    # (B, H, T, d) blocks, into which the kernels write dq, dk and dv directly.
+    B, H, T, D = q.shape
+    dqkv = torch.empty((B, T, 3 * H * D), dtype=q.dtype, device=q.device)
+    blocks = dqkv.view(B, T, 3, H, D)
+    return dqkv, tuple(blocks[:, :, i].transpose(1, 2) for i in range(3))
+
+
+def _backward_qkv_triton(grad_out, q, k, v, out, lse, cos, sin, is_causal: bool) -> torch.Tensor:
+    dqkv, (dq, dk, dv) = _packed_grads(q)
+    tensors = [_as_4d(t) for t in (grad_out, q, k, v, out)]
+    rope = None if cos is None else (cos, sin)
+    _launch_backward(*tensors, dq, dk, dv, lse.contiguous(), is_causal, autotune=_should_autotune(q), rope=rope,
+                     packed=dqkv)
+    return dqkv
 
 
 def _should_autotune(q: torch.Tensor) -> bool:
@@ -265,6 +285,19 @@ if triton is not None:
         tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
 
     @triton.jit
+    def _rope_transpose(g, COS, SIN, off_b, stride_cb, stride_ct, rows, N_CTX, HEAD_DIM: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+        # The gradient of an interleaved-pair rotation by angle a at each row's position: pair
+        # (g[2i], g[2i+1]) turned by -a, i.e. (c·g0 + s·g1, c·g1 - s·g0) with c, s = cos a, sin a.
+        offs_i = tl.arange(0, BLOCK_D // 2)
+        cs = off_b * stride_cb + rows[:, None] * stride_ct + offs_i[None, :]
+        mask = (rows[:, None] < N_CTX) & (offs_i[None, :] < HEAD_DIM // 2)
+        c = tl.load(COS + cs, mask=mask, other=0.0)
+        s = tl.load(SIN + cs, mask=mask, other=0.0)
+        g_even, g_odd = tl.split(tl.reshape(g, (BLOCK_ROWS, BLOCK_D // 2, 2)))
+        return tl.reshape(tl.join(c * g_even + s * g_odd, c * g_odd - s * g_even), (BLOCK_ROWS, BLOCK_D))
+
+    @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                         lo, hi, N_CTX, qk_scale, offs_n, offs_d,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
@@ -304,10 +337,10 @@ if triton is not None:
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                          stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                          stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                         H, N_CTX,
+                         H, N_CTX, COS, SIN, stride_cb, stride_ct, dk_offset, dv_offset,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
-                         EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
         # Under causality the early key tiles see the most queries; they are launched first.
         start_n = tl.program_id(0) * BLOCK_N
         off_bh = tl.program_id(1)
@@ -346,8 +379,11 @@ if triton is not None:
                                      stride_dot, 0, N_CTX, N_CTX, qk_scale, offs_n, offs_d,
                                      HEAD_DIM, BLOCK_M, False, EVEN_M, EVEN_D, DOT_PRECISION)
         dk = dk * sm_scale
-        dk_ptrs = DK + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :]
-        dv_ptrs = DV + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        if ROPE:  # k was rotated before attention: its gradient is rotated back here, in registers
+            dk = _rope_transpose(dk, COS, SIN, off_b, stride_cb, stride_ct, offs_n, N_CTX, HEAD_DIM,
+                                 BLOCK_N, BLOCK_D)
+        dk_ptrs = DK + dk_offset + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :]
+        dv_ptrs = DV + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
         if EVEN_N and EVEN_D:
             tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
             tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
@@ -389,10 +425,10 @@ if triton is not None:
                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                        stride_dqb, stride_dqh, stride_dqt,
-                       H, N_CTX,
+                       H, N_CTX, COS, SIN, stride_cb, stride_ct, dq_offset,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
-                       EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
         if IS_CAUSAL:
             start_m = tl.num_programs(0) - 1 - tl.program_id(0)
         else:
@@ -436,7 +472,10 @@ if triton is not None:
                                0, N_CTX, N_CTX, qk_scale, offs_m, offs_d,
                                HEAD_DIM, BLOCK_N, False, EVEN_N, EVEN_D, DOT_PRECISION)
         dq = dq * sm_scale
-        dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
+        if ROPE:
+            dq = _rope_transpose(dq, COS, SIN, off_b, stride_cb, stride_ct, offs_m, N_CTX, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D)
+        dq_ptrs = DQ + dq_offset + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
         if EVEN_M and EVEN_D:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
         else:
@@ -518,21 +557,36 @@ def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None
             wrap_triton(_fwd_kernel)[grid](*args, **common, **meta)
 
 
-def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotune: bool) -> None:
+def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotune: bool,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     packed: torch.Tensor | None = None) -> None:
+    # rope: the (cos, sin) tables, (T, D/2) or (B, T, D/2) float32, by which q and k were rotated;
+    # dq and dk are then rotated back (the gradients of the unrotated q and k).
+    # packed: the one buffer of which dq, dk and dv are views. The kernels then get that buffer
+    # and each view's offset in it, not the views: a written kernel argument that is a view of
+    # another one's storage makes torch.compile copy it around the launch.
     B, H, T, D = q.shape
     block_d = _block_d(D)
     sm_scale = 1.0 / math.sqrt(D)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=D == block_d,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None)
+    if rope is None:
+        rope_args = (lse, lse, 0, 0)  # never read
+    else:
+        cos, sin = rope
+        rope_args = (cos, sin, cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))
     tiles = _fixed_tiles(q.dtype, block_d)
     delta = torch.empty_like(lse)
     pre_m = 64
     pre_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    dkdv_args = (q, k, v, do, dk, dv, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-                 *_strides(do), *_strides(dk), *_strides(dv), H, T)
+    grads, offsets = (dq, dk, dv), (0, 0, 0)
+    if packed is not None:
+        grads, offsets = (packed,) * 3, tuple(t.storage_offset() - packed.storage_offset() for t in (dq, dk, dv))
+    dkdv_args = (q, k, v, do, grads[1], grads[2], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+                 *_strides(do), *_strides(dk), *_strides(dv), H, T, *rope_args, offsets[1], offsets[2])
     dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
-    dq_args = (q, k, v, do, dq, lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-               *_strides(do), *_strides(dq), H, T)
+    dq_args = (q, k, v, do, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+               *_strides(do), *_strides(dq), H, T, *rope_args, offsets[0])
     dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     with _device(q):
         wrap_triton(_bwd_preprocess_kernel)[pre_grid](
@@ -632,6 +686,33 @@ flash_attention_forward_op = _register("scratchlm::flash_attention_forward", _fo
 flash_attention_backward_op = _register("scratchlm::flash_attention_backward", _backward_impl, _backward_fake)
 
 
+def _backward_qkv_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, cos: Optional[torch.Tensor],
+                       sin: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+    """The gradient of the concatenated, unrotated q|k|v, (B, T, 3·H·d), for (B, H, T, d) inputs
+    of which q and k were rotated by (cos, sin) (each (T, d/2) or (B, T, d/2); None: no RoPE)."""
+    if q.dim() != 4:
+        raise ValueError(f"packed q/k/v gradients need (batch, heads, seq, d) inputs, got {tuple(q.shape)}")
+    if _can_use_triton(q):
+        return _backward_qkv_triton(grad_out, q, k, v, out, lse, cos, sin, is_causal)
+    grads = list(flash_attention_backward_torch(q, k, v, out, lse, grad_out, is_causal))
+    grads = [g.transpose(1, 2) for g in grads]  # (B, T, H, d)
+    if cos is not None:  # a rotation's transpose is the rotation by minus the angle
+        grads[:2] = [apply_rope(g, cos.unsqueeze(-2), -sin.unsqueeze(-2)) for g in grads[:2]]
+    dqkv, blocks = _packed_grads(q)
+    for block, g in zip(blocks, grads):
+        block.copy_(g.transpose(1, 2))
+    return dqkv
+
+
+def _backward_qkv_fake(grad_out, q, k, v, out, lse, cos, sin, is_causal):
+    return _packed_grads(q)[0]
+
+
+flash_attention_backward_qkv_op = _register("scratchlm::flash_attention_backward_qkv", _backward_qkv_impl,
+                                            _backward_qkv_fake)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, is_causal = inputs
     out, lse = output
@@ -652,6 +733,49 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     is_causal: bool = False) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(d)) v through the Triton kernels; (B, T, d) or (B, H, T, d)."""
     return flash_attention_forward_op(q, k, v, is_causal)[0]
+
+
+class _FlashAttentionQKV(torch.autograd.Function):
+    # Forward: split the projections' output, rotate q and k (plain torch ops, which
+    # torch.compile fuses), attend. Backward: one op writes the gradient of the unrotated,
+    # concatenated q|k|v, so the projections' backward is one matmul each way.
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, num_heads: int, is_causal: bool):
+        B, T, _ = qkv.shape
+        q, k, v = qkv.view(B, T, 3, num_heads, -1).unbind(2)  # (B, T, H, d) views
+        if cos is not None:
+            q, k = (apply_rope(t, cos.unsqueeze(-2), sin.unsqueeze(-2)) for t in (q, k))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
+        out, lse = flash_attention_forward_op(q, k, v, is_causal)
+        ctx.save_for_backward(q, k, v, out, lse, cos, sin)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cos, sin = ctx.saved_tensors
+        dqkv = flash_attention_backward_qkv_op(grad_out, q, k, v, out, lse, cos, sin, ctx.is_causal)
+        return dqkv, None, None, None, None
+
+
+def flash_attention_qkv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor | None = None,
+                        sin: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
+    """Attention over the concatenated projections qkv (B, T, 3·H·d) = q | k | v, each block
+    (B, T, H·d) head-major; with `cos`/`sin` ((T, d/2) or (B, T, d/2) float32, RoPE on
+    interleaved pairs as `scratchlm.model.rope.apply_rope`), q and k are rotated first.
+
+    Returns (B, H, T, d), laid out (B, T, H, d) in memory like `flash_attention`'s output. Its
+    backward writes the gradient of qkv as one tensor, RoPE undone inside the attention kernels,
+    so the projections behind qkv can run their backward as one wide matmul each way.
+    """
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * num_heads):
+        raise ValueError(f"qkv must be (batch, seq, 3·heads·d) for {num_heads} heads, got {tuple(qkv.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("give both cos and sin, or neither")
+    if cos is not None:
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    return _FlashAttentionQKV.apply(qkv, cos, sin, num_heads, is_causal)
 
 
 class FlashAttentionTriton(torch.autograd.Function):

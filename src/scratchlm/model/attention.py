@@ -64,6 +64,9 @@ class MultiHeadSelfAttention(nn.Module):
     names this layer's slot in a KV cache. `qkv_init` picks the init scale of q, k, v
     (see `qkv_init_std`). With `fused_qkv` (default), q, k and v are one matmul in mixed-precision
     training (`layers.can_fuse`, `layers.project_together`); the three parameters stay separate.
+    With the "flash_triton" backend on CUDA that one output goes whole into
+    `flash_attention_qkv`, whose backward hands back one gradient (RoPE undone in its kernels), so
+    the projections' backward is one matmul each way too.
     """
 
     def __init__(
@@ -96,6 +99,9 @@ class MultiHeadSelfAttention(nn.Module):
         # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
         # is not reliably seen by the compiled code (the Triton module imports without triton).
         self._flash = load_backend(backend)
+        # flash_triton also attends over the concatenated projections, RoPE inside its backward
+        self._flash_qkv = (importlib.import_module(BACKENDS[backend][0]).flash_attention_qkv
+                           if backend == "flash_triton" else None)
         # By default q, k and v are initialised as the three blocks of one d_model -> 3·d_model map,
         # with its Glorot std 1/sqrt(2·d_model); sqrt(2 / (d_model + d_model)) each ("separate")
         # starts the attention logits twice as large, which pretrains measurably worse
@@ -127,12 +133,15 @@ class MultiHeadSelfAttention(nn.Module):
         """
         B, T, _ = x.shape
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if self.fused_qkv and kv_cache is None and can_fuse(x, *projections):
+        fuse = self.fused_qkv and kv_cache is None and can_fuse(x, *projections)
+        flash = (self._flash is not None and kv_cache is None and attention_mask is None
+                 and not (self.backend == "flash_triton" and not x.is_cuda))
+        if fuse and flash and self._flash_qkv is not None:
+            return self.output_proj(self._attend_packed(x, projections, token_positions))
+        if fuse:
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)
-        flash = (self._flash is not None and kv_cache is None and attention_mask is None
-                 and not (self.backend == "flash_triton" and not x.is_cuda))
         # The flash kernels take q/k/v in the projections' (B, T, H, d) layout (as strided
         # (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates them there:
         # an elementwise pass with no transpose, forward and backward. The math path multiplies
@@ -172,6 +181,18 @@ class MultiHeadSelfAttention(nn.Module):
 
         out = out.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, d_model)
         return self.output_proj(out)
+
+    def _attend_packed(self, x: Tensor, projections, token_positions: Tensor | None) -> Tensor:
+        # q|k|v as one tensor into flash_attention_qkv, whose backward hands back one gradient
+        # (RoPE undone in its kernels): the projections' backward is one matmul each way.
+        B, T, _ = x.shape
+        qkv = project_together(x, projections, concatenated=True)  # (B, T, 3·d_model)
+        cos = sin = None
+        if self.rope is not None:
+            positions = torch.arange(T, device=x.device) if token_positions is None else token_positions
+            cos, sin = self.rope.tables(positions)
+        out = self._flash_qkv(qkv, self.num_heads, cos, sin, True)  # (B, H, T, d), laid out (B, T, H, d)
+        return out.transpose(1, 2).reshape(B, T, self.d_model)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}"

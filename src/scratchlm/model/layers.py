@@ -57,24 +57,38 @@ def can_fuse(x: Tensor, *linears: nn.Module) -> bool:
 
 
 class _ProjectTogether(torch.autograd.Function):
-    """Forward: one matmul against the concatenated weights. Backward: per projection, as
-    separate Linears would (so the output gradients are never concatenated)."""
+    """Forward: one matmul against the concatenated weights. Backward: with `split`, per
+    projection, as separate Linears would (the output gradients are never concatenated);
+    otherwise the output is one tensor, and so is its gradient: one matmul each way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dtype: torch.dtype, *weights: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx, x: Tensor, dtype: torch.dtype, split: bool, *weights: Tensor) -> Tensor | tuple[Tensor, ...]:
         xc = x.to(dtype)
         wc = [w.to(dtype) for w in weights]
+        wcat = torch.cat(wc)
         # as a matmul does: the weights only if x needs a gradient, x only if a weight does
-        needs_x, needs_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
-        ctx.save_for_backward(xc if needs_w else None, *(wc if needs_x else [None] * len(wc)))
+        needs_x, needs_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        saved_w = (wc if split else [wcat]) if needs_x else [None] * (len(wc) if split else 1)
+        ctx.save_for_backward(xc if needs_w else None, *saved_w)
+        ctx.split = split
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
-        y = xc @ torch.cat(wc).t()
-        return tuple(y.split([w.shape[0] for w in wc], dim=-1))
+        ctx.sizes = [w.shape[0] for w in wc]
+        y = xc @ wcat.t()
+        return tuple(y.split(ctx.sizes, dim=-1)) if split else y
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         xc, *wc = ctx.saved_tensors
         x_dtype, w_dtypes = ctx.dtypes
+        needs_w = ctx.needs_input_grad[3:]
+        if not ctx.split:  # one gradient (..., sum of outs) against the concatenated weight
+            (g,) = grads
+            grad_x = (g @ wc[0]).to(x_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = [None] * len(needs_w)
+            if xc is not None:
+                gw = g.reshape(-1, g.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])
+                grad_w = [gi.to(d) if need else None for gi, d, need in zip(gw.split(ctx.sizes), w_dtypes, needs_w)]
+            return grad_x, None, None, *grad_w
         grad_x = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, wc):
@@ -84,19 +98,24 @@ class _ProjectTogether(torch.autograd.Function):
         if xc is not None:
             flat_x = xc.reshape(-1, xc.shape[-1])
             grad_w = [(g.reshape(-1, g.shape[-1]).t() @ flat_x).to(d) if need else None
-                      for g, d, need in zip(grads, w_dtypes, ctx.needs_input_grad[2:])]
-        return grad_x, None, *grad_w
+                      for g, d, need in zip(grads, w_dtypes, needs_w)]
+        return grad_x, None, None, *grad_w
 
 
-def project_together(x: Tensor, linears: tuple[Linear, ...]) -> tuple[Tensor, ...]:
+def project_together(x: Tensor, linears: tuple[Linear, ...], *,
+                     concatenated: bool = False) -> tuple[Tensor, ...] | Tensor:
     """(x W_1ᵀ, x W_2ᵀ, ...) under autocast, the forward as one matmul with the weights
     concatenated (a wider matmul runs closer to the GPU's peak): x (..., in) -> a tuple of
     (..., out_i) in the autocast dtype. Same parameters and gradients as separate calls; the
     backward runs per projection, since concatenating the output gradients for one wide matmul
-    costs more than it saves (docs/benchmarks/train_step.md)."""
+    costs more than it saves (docs/benchmarks/train_step.md).
+
+    With `concatenated`, the one (..., sum of out_i) output is returned, for a consumer whose
+    backward writes its gradient as one tensor (`flash_attention_qkv`, `swiglu`): the backward is
+    then one matmul each way as well."""
     dtype = torch.get_autocast_dtype(x.device.type)
     with torch.autocast(x.device.type, enabled=False):
-        return _ProjectTogether.apply(x, dtype, *(m.weight for m in linears))
+        return _ProjectTogether.apply(x, dtype, not concatenated, *(m.weight for m in linears))
 
 
 class Embedding(nn.Module):
@@ -150,6 +169,8 @@ class SwiGLU(nn.Module):
 
     w1, w3: d_model -> d_ff; w2: d_ff -> d_model. With `fused` (default), w1 x and w3 x are one
     matmul in mixed-precision training (`can_fuse`, `project_together`); the parameters stay separate.
+    On CUDA their backward is one matmul each way too: the gate runs as
+    `scratchlm.kernels.swiglu_triton.swiglu`, whose backward writes both gradients as one tensor.
     """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, fused: bool = True) -> None:
@@ -160,7 +181,14 @@ class SwiGLU(nn.Module):
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and can_fuse(x, self.w1, self.w3):
+        fuse = self.fused and can_fuse(x, self.w1, self.w3)
+        if fuse and x.is_cuda:
+            # w1 x | w3 x as one tensor; the gate's backward kernel writes its gradient as one
+            # tensor too, so the projections' backward is one matmul each way
+            from scratchlm.kernels.swiglu_triton import swiglu
+
+            return self.w2(swiglu(project_together(x, (self.w1, self.w3), concatenated=True)))
+        if fuse:
             gate, up = project_together(x, (self.w1, self.w3))
         else:
             gate, up = self.w1(x), self.w3(x)
