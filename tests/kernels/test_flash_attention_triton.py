@@ -349,6 +349,44 @@ def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
             assert set(n.kwargs["tensors_to_clone"]) <= writes, (name, n.kwargs["tensors_to_clone"])
 
 
+@pytest.mark.gpu
+@needs_triton
+def test_traced_qkv_backward_writes_each_buffer_through_one_argument():
+    # The packed gradient is written by two launches (dK/dV, then dQ). torch.compile's functional
+    # form of a launch copies each written argument on its own: had one launch received the buffer
+    # twice (as DK and DV), each argument would get a private copy and one block's gradients would
+    # be dropped. So: one written argument per buffer per launch, each launch consuming the last's.
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+
+    if not _uses_triton_op():
+        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    B, T, H, D = 2, 256, 4, 64
+    cos, sin = RotaryEmbedding(10_000.0, D, T, device="cuda").tables(torch.arange(T, device="cuda"))
+    qkv = torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    f = aot_function(lambda t: flash_attention_qkv(t, H, cos, sin), fw_compiler=keep("forward"),
+                     bw_compiler=keep("backward"))
+    g = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    (grad,) = torch.autograd.grad(f(qkv), qkv, g)
+    qkv64 = qkv.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(_rope_then_attention(qkv64, H, cos, sin), qkv64, g.double())
+    for block, ref_block in zip(grad.chunk(3, -1), ref.chunk(3, -1)):
+        assert _rel(block, ref_block) < 2e-2
+    hops = [n for n in graphs["backward"].graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    assert len(hops) == 3
+    for n in hops:
+        written = [n.kwargs["kwargs"][name] for name in n.kwargs["tensors_to_clone"]]
+        assert len(set(written)) == len(written), n.kwargs["tensors_to_clone"]
+
+
 def _no_compile_caches():
     # Cache hits skip code generation: no code to inspect, no partition counted.
     from contextlib import ExitStack
@@ -461,7 +499,7 @@ def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, i
         pytest.skip("the forward takes q and k rotated")
     tensors = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32"}
     meta = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=is_causal, EVEN_D=True,
-                EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32", ROPE=rope)
+                EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32", ROPE=rope, PACKED=rope)
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     signature = {}
     for arg in fn.arg_names:

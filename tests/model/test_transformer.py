@@ -285,19 +285,23 @@ def test_fused_projections_is_a_config_switch_with_the_same_keys_and_maths():
     separate.load_state_dict(fused.state_dict())
     assert fused.layers[0].attn.fused_qkv and fused.layers[0].ffn.fused
     assert not separate.layers[0].attn.fused_qkv and not separate.layers[0].ffn.fused
+    assert not fused.layers[0].attn.packed_backward
+    assert build_model(ModelConfig(**TINY, packed_qkv_backward=True)).layers[-1].attn.packed_backward
     ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(fused(ids), separate(ids))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed_qkv_backward", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_projections_match_separate_ones_on_gpu(compiled):
+def test_fused_projections_match_separate_ones_on_gpu(compiled, packed_qkv_backward):
     torch.manual_seed(0)
+    torch._dynamo.reset()
     kw = dict(vocab_size=512, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=704,
               attention_backend="flash_triton", device="cuda")
     separate = TransformerLM(**kw, fused_projections=False)
-    fused = TransformerLM(**kw)
+    fused = TransformerLM(**kw, packed_qkv_backward=packed_qkv_backward)
     fused.load_state_dict(separate.state_dict())
     ids = torch.randint(0, 512, (4, 256), device="cuda")
     losses = []

@@ -340,7 +340,9 @@ if triton is not None:
                          H, N_CTX, COS, SIN, stride_cb, stride_ct, dk_offset, dv_offset,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
-                         EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
+                         EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+                         PACKED: tl.constexpr):
+        # PACKED: dk and dv are blocks of one buffer, DK; DV is then not used (see _launch_backward).
         # Under causality the early key tiles see the most queries; they are launched first.
         start_n = tl.program_id(0) * BLOCK_N
         off_bh = tl.program_id(1)
@@ -383,13 +385,16 @@ if triton is not None:
             dk = _rope_transpose(dk, COS, SIN, off_b, stride_cb, stride_ct, offs_n, N_CTX, HEAD_DIM,
                                  BLOCK_N, BLOCK_D)
         dk_ptrs = DK + dk_offset + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :]
-        dv_ptrs = DV + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        if PACKED:
+            dv_ptrs = DK + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        else:
+            dv_ptrs = DV + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
         if EVEN_N and EVEN_D:
             tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DK.dtype.element_ty))
         else:
             tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+            tl.store(dv_ptrs, dv.to(DK.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
     def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, N_CTX,
@@ -563,13 +568,16 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     # rope: the (cos, sin) tables, (T, D/2) or (B, T, D/2) float32, by which q and k were rotated;
     # dq and dk are then rotated back (the gradients of the unrotated q and k).
     # packed: the one buffer of which dq, dk and dv are views. The kernels then get that buffer
-    # and each view's offset in it, not the views: a written kernel argument that is a view of
-    # another one's storage makes torch.compile copy it around the launch.
+    # and each view's offset in it, not the views, and the dK/dV kernel gets it once (as DK;
+    # PACKED): torch.compile's functional form of a launch copies each written argument on its
+    # own, so two written arguments sharing storage would each get a private copy and one
+    # block's gradients would be lost (and a view argument would be copied around the launch).
     B, H, T, D = q.shape
     block_d = _block_d(D)
     sm_scale = 1.0 / math.sqrt(D)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=D == block_d,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None)
+    dkdv_meta = dict(PACKED=packed is not None)
     if rope is None:
         rope_args = (lse, lse, 0, 0)  # never read
     else:
@@ -580,8 +588,9 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     pre_m = 64
     pre_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     grads, offsets = (dq, dk, dv), (0, 0, 0)
-    if packed is not None:
-        grads, offsets = (packed,) * 3, tuple(t.storage_offset() - packed.storage_offset() for t in (dq, dk, dv))
+    if packed is not None:  # DV is then a stand-in the kernel never touches
+        grads = (packed, packed, q)
+        offsets = tuple(t.storage_offset() - packed.storage_offset() for t in (dq, dk, dv))
     dkdv_args = (q, k, v, do, grads[1], grads[2], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
                  *_strides(do), *_strides(dk), *_strides(dv), H, T, *rope_args, offsets[1], offsets[2])
     dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
@@ -594,10 +603,10 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
         if autotune:
             dkdv_kernel = _dkdv_tuned_big_d if block_d > 64 else _dkdv_tuned
             dq_kernel = _dq_tuned_big_d if block_d > 64 else _dq_tuned
-            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, EVEN_M=True, EVEN_N=True)
+            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True)
             wrap_triton(dq_kernel)[dq_grid](*dq_args, **common, EVEN_M=True, EVEN_N=True)
         else:
-            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **_fixed_meta(tiles["dkdv"], T))
+            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, **_fixed_meta(tiles["dkdv"], T))
             wrap_triton(_bwd_dq_kernel)[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"], T))
 
 

@@ -64,7 +64,7 @@ class MultiHeadSelfAttention(nn.Module):
     names this layer's slot in a KV cache. `qkv_init` picks the init scale of q, k, v
     (see `qkv_init_std`). With `fused_qkv` (default), q, k and v are one matmul in mixed-precision
     training (`layers.can_fuse`, `layers.project_together`); the three parameters stay separate.
-    With the "flash_triton" backend on CUDA that one output goes whole into
+    With `packed_backward` and the "flash_triton" backend on CUDA that one output goes whole into
     `flash_attention_qkv`, whose backward hands back one gradient (RoPE undone in its kernels), so
     the projections' backward is one matmul each way too.
     """
@@ -78,6 +78,7 @@ class MultiHeadSelfAttention(nn.Module):
         backend: str = "math",
         qkv_init: str = "fused",
         fused_qkv: bool = True,
+        packed_backward: bool = False,
         layer_idx: int = 0,
         device=None,
         dtype=None,
@@ -94,6 +95,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.backend = backend
         self.layer_idx = layer_idx
         self.fused_qkv = fused_qkv
+        self.packed_backward = packed_backward
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
         # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
@@ -136,7 +138,7 @@ class MultiHeadSelfAttention(nn.Module):
         fuse = self.fused_qkv and kv_cache is None and can_fuse(x, *projections)
         flash = (self._flash is not None and kv_cache is None and attention_mask is None
                  and not (self.backend == "flash_triton" and not x.is_cuda))
-        if fuse and flash and self._flash_qkv is not None:
+        if fuse and flash and self.packed_backward and self._flash_qkv is not None:
             return self.output_proj(self._attend_packed(x, projections, token_positions))
         if fuse:
             q, k, v = map(self._heads, project_together(x, projections))

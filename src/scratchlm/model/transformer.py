@@ -25,6 +25,8 @@ state_dict (default keys are listed in DESIGN.md):
 - fused_projections: True (default) computes q/k/v, and SwiGLU's w1/w3, each as one forward
   matmul over the concatenated weights in mixed-precision training (`layers.project_together`);
   no keys change.
+- packed_qkv_backward: False (default); True with fused_projections and "flash_triton" on CUDA
+  makes q/k/v's backward one matmul each way as well (see attention.py); no keys change.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class TransformerBlock(nn.Module):
         attention_backend: str = "math",
         qkv_init: str = "fused",
         fused_projections: bool = True,
+        packed_qkv_backward: bool = False,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         rope: RotaryEmbedding | None = None,
@@ -116,6 +119,7 @@ class TransformerBlock(nn.Module):
             backend=attention_backend,
             qkv_init=qkv_init,
             fused_qkv=fused_projections,
+            packed_backward=packed_qkv_backward,
             layer_idx=layer_idx,
             device=device,
             dtype=dtype,
@@ -163,6 +167,7 @@ class TransformerLM(nn.Module):
         attention_backend: str = "math",
         qkv_init: str = "fused",
         fused_projections: bool = True,
+        packed_qkv_backward: bool = False,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         device=None,
@@ -192,6 +197,7 @@ class TransformerLM(nn.Module):
                 attention_backend=attention_backend,
                 qkv_init=qkv_init,
                 fused_projections=fused_projections,
+                packed_qkv_backward=packed_qkv_backward,
                 rmsnorm_eps=rmsnorm_eps,
                 moe_options=moe_options,
                 rope=rope,
@@ -293,6 +299,7 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         attention_backend=cfg.attention_backend,
         qkv_init=cfg.qkv_init,
         fused_projections=cfg.fused_projections,
+        packed_qkv_backward=cfg.packed_qkv_backward,
         rmsnorm_eps=cfg.rmsnorm_eps,
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
         device=device,

@@ -62,7 +62,7 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = Fa
 
 
 INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights
-COMPUTE_ONLY = frozenset({"fused_projections"})  # model fields that only change how the same maths runs
+COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model fields that only change how the same maths runs
 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
