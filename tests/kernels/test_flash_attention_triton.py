@@ -311,13 +311,11 @@ def test_triton_qkv_form_without_rope():
     _check_qkv_against_float64(2, 300, 2, 64, torch.arange(300), torch.bfloat16, "cuda", 2e-2, use_rope=False)
 
 
-@pytest.mark.gpu
-@needs_triton
-@pytest.mark.parametrize("seq", [256, 1024])  # fixed tiles; autotuned configs
-def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
-    # What AOTAutograd hands Inductor: one functional triton kernel HOP per launch, no opaque op.
-    # Each HOP clones the tensors torch's analysis of the kernel's IR says it writes; an input
-    # among them (q, k, v, ...) means that analysis failed and every launch pays extra copies.
+def _traced_by_aot():
+    # ({"forward"/"backward": the graph AOTAutograd hands a compiler}, aot_function(f) that fills
+    # it and runs the graphs as they are); skips where the ops are opaque custom ops.
+    from functools import partial
+
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_function
 
@@ -331,10 +329,21 @@ def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
             return make_boxed_func(gm.forward)
         return compiler
 
+    return graphs, partial(aot_function, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("seq", [256, 1024])  # fixed tiles; autotuned configs
+def test_traced_ops_are_triton_kernel_hops_that_clone_only_outputs(seq):
+    # What AOTAutograd hands Inductor: one functional triton kernel HOP per launch, no opaque op.
+    # Each HOP clones the tensors torch's analysis of the kernel's IR says it writes; an input
+    # among them (q, k, v, ...) means that analysis failed and every launch pays extra copies.
+    graphs, aot_function = _traced_by_aot()
+
     x = torch.randn(2, seq, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q = x.transpose(1, 2)
-    f = aot_function(lambda a, b, c: FlashAttentionTriton.apply(a, b, c, True),
-                     fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    f = aot_function(lambda a, b, c: FlashAttentionTriton.apply(a, b, c, True))
     out = f(q, q, q)
     out.float().sum().backward()
     ref = naive_attention(q.double(), q.double(), q.double(), True)
@@ -356,24 +365,12 @@ def test_traced_qkv_backward_writes_each_buffer_through_one_argument():
     # form of a launch copies each written argument on its own: had one launch received the buffer
     # twice (as DK and DV), each argument would get a private copy and one block's gradients would
     # be dropped. So: one written argument per buffer per launch, each launch consuming the last's.
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_function
-
-    if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
-    graphs = {}
-
-    def keep(name):
-        def compiler(gm, _inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
+    graphs, aot_function = _traced_by_aot()
 
     B, T, H, D = 2, 256, 4, 64
     cos, sin = RotaryEmbedding(10_000.0, D, T, device="cuda").tables(torch.arange(T, device="cuda"))
     qkv = torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    f = aot_function(lambda t: flash_attention_qkv(t, H, cos, sin), fw_compiler=keep("forward"),
-                     bw_compiler=keep("backward"))
+    f = aot_function(lambda t: flash_attention_qkv(t, H, cos, sin))
     g = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
     (grad,) = torch.autograd.grad(f(qkv), qkv, g)
     qkv64 = qkv.detach().double().requires_grad_()
