@@ -5,6 +5,10 @@
 - ``flash_attention_triton``: the same algorithm in Triton, forward and backward
   (``FlashAttentionTriton``, ``flash_attention``), registered as torch.library triton ops
   that torch.compile traces into (opaque custom ops with ``SCRATCHLM_FLASH_TRITON_OP=0``).
+  ``flash_attention_qkv`` attends over the concatenated q|k|v projections and hands back their
+  gradient as one tensor, RoPE undone inside the backward kernels.
+- ``swiglu_triton``: SwiGLU's gate over the concatenated w1|w3 projections, its backward one
+  Triton kernel that writes both gradients as one tensor.
 - ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
   logits never exist at once.
 

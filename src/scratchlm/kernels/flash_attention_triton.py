@@ -13,6 +13,11 @@ reference the tests compare against); this file is the fast version:
   ``D = rowsum(dO * O)``; a dK/dV kernel owns one key tile and streams over query tiles;
   a separate dQ kernel owns one query tile and streams over key tiles. Each output tile is
   written exactly once.
+- ``flash_attention_qkv``: attention over the concatenated q|k|v projections (B, T, 3·H·d), q
+  and k rotated by RoPE in plain torch ops. Its backward op,
+  ``scratchlm::flash_attention_backward_qkv``, writes one (B, T, 3·H·d) gradient: the dK/dV and
+  dQ kernels rotate dk and dq back in registers (``ROPE``) and store them into their blocks of
+  it (``PACKED``, offsets), so the projections behind it run their backward as one matmul each way.
 - ragged sequence lengths (any T) are handled by bounds masks that are compiled in only
   when T is not a multiple of the tile sizes (``EVEN_*`` flags, computed by the launcher);
   head dims that are not powers of two are padded to the next power of two with masked loads.
