@@ -178,6 +178,15 @@ def test_qkv_form_rejects_bad_inputs():
         flash_attention_qkv(torch.randn(2, 5, 40), 3)
     with pytest.raises(ValueError, match="cos and sin"):
         flash_attention_qkv(torch.randn(2, 5, 48), 2, torch.randn(5, 4), None)
+    with pytest.raises(ValueError, match=r"must be \(5, 4\) or \(2, 5, 4\)"):
+        flash_attention_qkv(torch.randn(2, 5, 48), 2, torch.randn(6, 4), torch.randn(6, 4))
+
+
+def test_qkv_form_takes_positions_shared_as_a_batch_of_one():
+    rope = RotaryEmbedding(10_000.0, 8, 32)
+    qkv = torch.randn(2, 7, 48)
+    shared = flash_attention_qkv(qkv, 2, *rope.tables(torch.arange(7)))
+    torch.testing.assert_close(flash_attention_qkv(qkv, 2, *rope.tables(torch.arange(7)[None])), shared)
 
 
 def test_qkv_form_compiles_into_one_graph_cpu():
