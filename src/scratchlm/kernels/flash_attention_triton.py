@@ -391,9 +391,10 @@ if triton is not None:
                                  BLOCK_N, BLOCK_D)
         dk_ptrs = DK + dk_offset + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :]
         if PACKED:
-            dv_ptrs = DK + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+            dv_base = DK + dv_offset
         else:
-            dv_ptrs = DV + dv_offset + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
+            dv_base = DV + dv_offset
+        dv_ptrs = dv_base + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :]
         if EVEN_N and EVEN_D:
             tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
             tl.store(dv_ptrs, dv.to(DK.dtype.element_ty))

@@ -68,8 +68,8 @@ class _ProjectTogether(torch.autograd.Function):
         wcat = torch.cat(wc)
         # as a matmul does: the weights only if x needs a gradient, x only if a weight does
         needs_x, needs_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
-        saved_w = (wc if split else [wcat]) if needs_x else [None] * (len(wc) if split else 1)
-        ctx.save_for_backward(xc if needs_w else None, *saved_w)
+        saved_w = wc if split else [wcat]
+        ctx.save_for_backward(xc if needs_w else None, *(saved_w if needs_x else [None] * len(saved_w)))
         ctx.split = split
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
         ctx.sizes = [w.shape[0] for w in wc]
