@@ -9,8 +9,8 @@ fused AdamW, scratchlm's Triton AdamW; then the fastest configuration, the compi
 (`hidden_states`) with the fused LM head + loss (`fused_linear_cross_entropy`, no float32
 logits) and the Triton AdamW, with and without CUDA graphs (mode="reduce-overhead"); model and
 loss compiled together; and the CUDA-graph configuration with q/k/v and w1/w3 as separate
-forward matmuls (`model.fused_projections=False`), and with q/k/v's backward as one matmul each
-way (`model.packed_qkv_backward=True`).
+forward matmuls (`model.fused_projections=False`), and with q/k/v's backward as three matmuls
+each way (`model.packed_qkv_backward=False`).
 Reference: nn.Embedding / nn.RMSNorm / nn.Linear, F.scaled_dot_product_attention (causal),
 SwiGLU, rotary embeddings, fused torch.optim.AdamW, bf16 autocast, torch.compile, and
 F.cross_entropy on float32 logits. MFU counts 6 FLOPs per matrix weight per token plus causal
@@ -137,7 +137,7 @@ def _fused_loss(model, x, y):
     return fused_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
 
 
-def _scratchlm_model(shape, backend="flash_triton", fused_projections=True, packed_qkv_backward=False):
+def _scratchlm_model(shape, backend="flash_triton", fused_projections=True, packed_qkv_backward=True):
     from scratchlm.model.config import ModelConfig
     from scratchlm.model.transformer import build_model
 
@@ -162,7 +162,7 @@ def make_reference(shape: dict, holder: dict, compile_loss: bool):
 
 
 def make_scratchlm(shape: dict, holder: dict, optimizer: str, fused_head: bool = False, mode: str = "default",
-                   compile_loss: bool = False, fused_projections: bool = True, packed_qkv_backward: bool = False):
+                   compile_loss: bool = False, fused_projections: bool = True, packed_qkv_backward: bool = True):
     """`make(x, y) -> step` of scratchlm's compiled step in one VARIANTS configuration; the model
     is kept in `holder["m"]`."""
     from scratchlm.optim.adamw import AdamW
@@ -346,10 +346,10 @@ VARIANTS = {
     "cudagraphs_separate_proj": ("scratchlm (cudagraphs variant, separate q/k/v, w1/w3)",
                                  dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
                                       fused_projections=False)),
-    # "cudagraphs" with q/k/v's backward as one matmul each way (model.packed_qkv_backward=True)
-    "cudagraphs_packed_qkv": ("scratchlm (cudagraphs variant, packed q/k/v backward)",
-                              dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
-                                   packed_qkv_backward=True)),
+    # "cudagraphs" with q/k/v's backward as three matmuls each way (model.packed_qkv_backward=False)
+    "cudagraphs_unpacked_qkv": ("scratchlm (cudagraphs variant, q/k/v backward per projection)",
+                                dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
+                                     packed_qkv_backward=False)),
 }
 
 

@@ -379,9 +379,9 @@ def test_traced_qkv_backward_writes_each_buffer_through_one_argument():
     B, T, H, D = 2, 256, 4, 64
     cos, sin = RotaryEmbedding(10_000.0, D, T, device="cuda").tables(torch.arange(T, device="cuda"))
     qkv = torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    f = aot_function(lambda t: flash_attention_qkv(t, H, cos, sin))
+    f = aot_function(lambda t, c, s: flash_attention_qkv(t, H, c, s))  # tables as inputs, not constants
     g = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-    (grad,) = torch.autograd.grad(f(qkv), qkv, g)
+    (grad,) = torch.autograd.grad(f(qkv, cos, sin), qkv, g)
     qkv64 = qkv.detach().double().requires_grad_()
     (ref,) = torch.autograd.grad(_rope_then_attention(qkv64, H, cos, sin), qkv64, g.double())
     for block, ref_block in zip(grad.chunk(3, -1), ref.chunk(3, -1)):

@@ -285,8 +285,8 @@ def test_fused_projections_is_a_config_switch_with_the_same_keys_and_maths():
     separate.load_state_dict(fused.state_dict())
     assert fused.layers[0].attn.fused_qkv and fused.layers[0].ffn.fused
     assert not separate.layers[0].attn.fused_qkv and not separate.layers[0].ffn.fused
-    assert not fused.layers[0].attn.packed_backward
-    assert build_model(ModelConfig(**TINY, packed_qkv_backward=True)).layers[-1].attn.packed_backward
+    assert fused.layers[0].attn.packed_backward
+    assert not build_model(ModelConfig(**TINY, packed_qkv_backward=False)).layers[-1].attn.packed_backward
     ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(fused(ids), separate(ids))

@@ -78,7 +78,7 @@ class MultiHeadSelfAttention(nn.Module):
         backend: str = "math",
         qkv_init: str = "fused",
         fused_qkv: bool = True,
-        packed_backward: bool = False,
+        packed_backward: bool = True,
         layer_idx: int = 0,
         device=None,
         dtype=None,

@@ -25,8 +25,9 @@ state_dict (default keys are listed in DESIGN.md):
 - fused_projections: True (default) computes q/k/v, and SwiGLU's w1/w3, each as one forward
   matmul over the concatenated weights in mixed-precision training (`layers.project_together`);
   no keys change.
-- packed_qkv_backward: False (default); True with fused_projections and "flash_triton" on CUDA
-  makes q/k/v's backward one matmul each way as well (see attention.py); no keys change.
+- packed_qkv_backward: True (default) with fused_projections and "flash_triton" on CUDA makes
+  q/k/v's backward one matmul each way as well (see attention.py); elsewhere it changes nothing;
+  no keys change.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class TransformerBlock(nn.Module):
         attention_backend: str = "math",
         qkv_init: str = "fused",
         fused_projections: bool = True,
-        packed_qkv_backward: bool = False,
+        packed_qkv_backward: bool = True,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         rope: RotaryEmbedding | None = None,
@@ -167,7 +168,7 @@ class TransformerLM(nn.Module):
         attention_backend: str = "math",
         qkv_init: str = "fused",
         fused_projections: bool = True,
-        packed_qkv_backward: bool = False,
+        packed_qkv_backward: bool = True,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         device=None,
