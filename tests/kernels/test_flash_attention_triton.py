@@ -275,9 +275,9 @@ def test_triton_torch_compile_inductor():
 # --- registration: triton_ops that torch.compile traces into ------------------------------------
 
 def _uses_triton_op() -> bool:
-    from scratchlm.kernels import flash_attention_triton as fat
+    from scratchlm.kernels.triton_support import USE_TRITON_OP
 
-    return fat._USE_TRITON_OP
+    return USE_TRITON_OP
 
 
 @needs_triton

@@ -8,7 +8,6 @@ import torch
 
 from scratchlm.config import load_config
 from scratchlm.errors import UserError
-from scratchlm.model.config import ModelConfig
 from scratchlm.train import trainer as trainer_mod
 from scratchlm.train.commands import eval_command, run_training, train_command
 from scratchlm.train.config import TrainConfig, TrainerConfig

@@ -21,7 +21,6 @@ import hashlib
 import http.client
 import os
 import re
-import shutil
 import time
 import urllib.error
 import urllib.request

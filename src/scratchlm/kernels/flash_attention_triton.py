@@ -31,35 +31,31 @@ has it (>= 2.6, and not under Triton's interpreter) they are registered with
 ``torch.library.triton_op`` and launch every kernel through ``wrap_triton``, so that
 torch.compile traces into them and Inductor launches the kernels itself (one graph, one CUDA
 graph under ``mode="reduce-overhead"``); ``SCRATCHLM_FLASH_TRITON_OP=0`` registers them as
-opaque ``torch.library.custom_op``s with fake kernels instead (see "the ops" below). On
+opaque ``torch.library.custom_op``s with fake kernels instead (see ``triton_support``). On
 tensors that Triton cannot run (CPU, or no triton installed) the same
 ops fall back to the tiled PyTorch reference, so the op, its autograd and its compile path
 can be exercised anywhere.
 
-Triton is imported under a guard: importing this module on a machine without triton works
+Triton is imported under a guard (``triton_support``): importing this module without triton works
 (the model imports this module only when the "flash_triton" backend is chosen).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-from contextlib import nullcontext as _nullcontext
 from typing import Optional
 
 import torch
-
-try:  # triton is optional: CPU-only wheels of torch may not ship it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
 
 from scratchlm.kernels.flash_attention_torch import (
     flash_attention_backward_torch,
     flash_attention_forward_torch,
 )
+from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
+from scratchlm.kernels.triton_support import device_of as _device
+from scratchlm.kernels.triton_support import interpreting as _interpreting
+from scratchlm.kernels.triton_support import register_op as _register
+from scratchlm.kernels.triton_support import tl, triton, triton_available, wrap_triton
 from scratchlm.model.rope import apply_rope
 
 __all__ = ["FlashAttentionTriton", "flash_attention", "flash_attention_qkv", "triton_available"]
@@ -71,20 +67,6 @@ _LN2 = 0.6931471805599453
 _AUTOTUNE_MIN_SEQ = 1024
 # ... and only for lengths that are a multiple of the largest tile, so no tuned config needs masks.
 _TUNE_MULTIPLE = 128
-
-
-def triton_available() -> bool:
-    """True when triton could be imported (CUDA is checked separately, per tensor)."""
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    # Triton's CPU interpreter (numpy) runs these kernels on CPU tensors, for debugging.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _can_use_triton(t: torch.Tensor) -> bool:
-    return triton_available() and (t.is_cuda or _interpreting())
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -543,10 +525,6 @@ def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
             "num_warps": w, "num_stages": s}
 
 
-def _device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else _nullcontext()
-
-
 # The launchers below run inside the ops' bodies. Each kernel is called as
 # ``wrap_triton(kernel)[grid](...)`` with a grid that is a function of the launch metadata and
 # every tl.constexpr passed by keyword: traced by torch.compile, that call becomes a
@@ -616,40 +594,6 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
             wrap_triton(_bwd_dq_kernel)[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"], T))
 
 
-# --- the ops: triton_ops where torch has them, custom ops otherwise ----------------------------
-#
-# With ``torch.library.triton_op`` (torch >= 2.6) the op's body is visible to torch.compile:
-# AOTAutograd traces it (allocations plus one triton_kernel_wrapper HOP per ``wrap_triton``
-# call) and Inductor launches the Triton kernels from its own generated code, so a compiled
-# model has no opaque Python call in its graph and CUDA graphs (mode="reduce-overhead") capture
-# the attention kernels with everything else. The body doubles as the fake (meta) kernel, so it
-# must stay free of data-dependent Python: only shapes, strides and dtypes decide anything.
-# Eagerly a triton_op runs its body directly (wrap_triton is then a no-op).
-#
-# Where triton_op is missing (torch < 2.6), Triton runs in its CPU interpreter (whose kernels
-# cannot be traced with fake tensors) or SCRATCHLM_FLASH_TRITON_OP=0, the same bodies are
-# registered as opaque ``custom_op``s with separate fake kernels.
-
-
-def _use_triton_op() -> bool:
-    # SCRATCHLM_FLASH_TRITON_OP=0 keeps the opaque custom ops (the registration measured first,
-    # docs/benchmarks/train_step.md); both ran the gpt2small step at the same speed on the H200.
-    return (os.environ.get("SCRATCHLM_FLASH_TRITON_OP", "1") != "0" and hasattr(torch.library, "triton_op")
-            and hasattr(torch.library, "wrap_triton") and not _interpreting())
-
-
-_USE_TRITON_OP = _use_triton_op()
-
-
-def wrap_triton(kernel):
-    """``torch.library.wrap_triton(kernel)`` for the triton_ops; the kernel itself otherwise.
-
-    Named like torch's function on purpose: ``triton_op`` finds the kernels an op launches by
-    looking for ``wrap_triton(<name>)`` calls in its source, and keys compile caches on them.
-    """
-    return torch.library.wrap_triton(kernel) if _USE_TRITON_OP else kernel
-
-
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) for (B, T, d) or (B, H, T, d) inputs; L is float32 of shape q.shape[:-1]."""
@@ -678,23 +622,6 @@ def _forward_fake(q, k, v, is_causal):
 
 def _backward_fake(grad_out, q, k, v, out, lse, is_causal):
     return _alloc_out(q), _alloc_out(k), _alloc_out(v)
-
-
-def _register(name: str, impl, fake):
-    if not _USE_TRITON_OP:
-        op = torch.library.custom_op(name, mutates_args=())(impl)
-        op.register_fake(fake)
-        return op
-    # Without triton (CPU wheels) triton_op still works (the body then only runs the PyTorch
-    # reference) but logs that it found no kernels; that is expected here, so keep it quiet.
-    log = logging.getLogger("torch._library.triton")
-    level = log.level
-    if triton is None:
-        log.setLevel(logging.ERROR)
-    try:
-        return torch.library.triton_op(name, mutates_args=())(impl)
-    finally:
-        log.setLevel(level)
 
 
 flash_attention_forward_op = _register("scratchlm::flash_attention_forward", _forward_impl, _forward_fake)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from scratchlm.kernels.flash_attention_triton import _can_use_triton, _device, _register, triton, wrap_triton
+from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
+from scratchlm.kernels.triton_support import device_of as _device
+from scratchlm.kernels.triton_support import register_op as _register
+from scratchlm.kernels.triton_support import triton, wrap_triton
 from scratchlm.model.functional import silu
 
 __all__ = ["swiglu"]
