@@ -17,6 +17,7 @@ NAMES = {
     "_cross_entropy_rows_kernel": "loss",
     "_adamw_kernel": "optimizer",
     "_swiglu_backward_kernel": "swiglu",
+    "_rope_qk_bf16_kernel": "rope",
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
     "triton_poi_fused_add_mul_sigmoid_sigmoid_backward_view_3": "inductor",
     "triton_red_fused__log_softmax__to_copy_prepare_softmax_online_15": "inductor",

@@ -102,6 +102,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("loss", r"cross_entropy"),
     ("optimizer", r"adam|multi_tensor_apply"),
     ("swiglu", r"swiglu"),
+    ("rope", r"^_rope"),
     ("inductor", r"^triton_"),
 )
 

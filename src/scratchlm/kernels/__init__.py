@@ -7,10 +7,15 @@
   that torch.compile traces into (opaque custom ops with ``SCRATCHLM_FLASH_TRITON_OP=0``).
   ``flash_attention_qkv`` attends over the concatenated q|k|v projections and hands back their
   gradient as one tensor, RoPE undone inside the backward kernels.
+- ``rope_triton``: RoPE on the q and k blocks of the concatenated projections in one pass
+  (``rope_qk``), the forward rotation of ``flash_attention_qkv``.
 - ``swiglu_triton``: SwiGLU's gate over the concatenated w1|w3 projections, its backward one
   Triton kernel that writes both gradients as one tensor.
 - ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
   logits never exist at once.
+
+- ``triton_support``: what the Triton kernels share (the guarded import, when a tensor can run
+  them, registration as ops that torch.compile sees into).
 
 Nothing is imported here: triton and the kernels load only when a module is imported.
 """

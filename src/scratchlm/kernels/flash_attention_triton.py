@@ -14,7 +14,7 @@ reference the tests compare against); this file is the fast version:
   a separate dQ kernel owns one query tile and streams over key tiles. Each output tile is
   written exactly once.
 - ``flash_attention_qkv``: attention over the concatenated q|k|v projections (B, T, 3·H·d), q
-  and k rotated by RoPE in plain torch ops. Its backward op,
+  and k rotated by RoPE in one pass (``rope_triton``). Its backward op,
   ``scratchlm::flash_attention_backward_qkv``, writes one (B, T, 3·H·d) gradient: the dK/dV and
   dQ kernels rotate dk and dq back in registers (``ROPE``) and store them into their blocks of
   it (``PACKED``, offsets), so the projections behind it run their backward as one matmul each way.
@@ -51,6 +51,7 @@ from scratchlm.kernels.flash_attention_torch import (
     flash_attention_backward_torch,
     flash_attention_forward_torch,
 )
+from scratchlm.kernels.rope_triton import rope_qk_op
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import interpreting as _interpreting
@@ -678,16 +679,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class _FlashAttentionQKV(torch.autograd.Function):
-    # Forward: split the projections' output, rotate q and k (plain torch ops, which
-    # torch.compile fuses), attend. Backward: one op writes the gradient of the unrotated,
-    # concatenated q|k|v, so the projections' backward is one matmul each way.
+    # Forward: rotate q and k (one pass over them, `rope_qk`), attend. Backward: one op writes
+    # the gradient of the unrotated, concatenated q|k|v, so the projections' backward is one
+    # matmul each way.
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, num_heads: int, is_causal: bool):
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, num_heads, -1).unbind(2)  # (B, T, H, d) views
         if cos is not None:
-            q, k = (apply_rope(t, cos.unsqueeze(-2), sin.unsqueeze(-2)) for t in (q, k))
+            q, k = rope_qk_op(qkv, cos, sin, num_heads).view(B, T, 2, num_heads, -1).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
         out, lse = flash_attention_forward_op(q, k, v, is_causal)
         ctx.save_for_backward(q, k, v, out, lse, cos, sin)
