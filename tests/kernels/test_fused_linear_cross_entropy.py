@@ -78,8 +78,8 @@ def test_gpu_matches_reference(dtype):
 def test_gpu_default_chunks_under_autocast_accumulate_the_weight_gradient_in_the_matmul(monkeypatch):
     from scratchlm.kernels import fused_linear_cross_entropy as flce
 
-    # 40 rows per default compiled chunk: 5 chunks, each adding into the fp32 accumulator.
-    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS_COMPILED", 40 * 5000)
+    # 40 rows per default (single-pass) chunk: 5 chunks, each adding into the fp32 accumulator.
+    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS_SINGLE_PASS", 40 * 5000)
     hidden, weight, targets = _case(200, 64, 5000, seed=5, dtype=torch.float32, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ours = _loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets)

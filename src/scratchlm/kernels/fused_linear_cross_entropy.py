@@ -28,7 +28,7 @@ __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference", "Fuse
 # their gradient in place, so chunks there are 4x larger (512 MB each in bf16): fewer chunks
 # means fewer passes over the float32 (V x d) weight-gradient accumulator.
 _CHUNK_ELEMENTS = 1 << 26
-_CHUNK_ELEMENTS_COMPILED = 1 << 28
+_CHUNK_ELEMENTS_SINGLE_PASS = 1 << 28
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -38,8 +38,8 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
     return torch.nn.functional.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index)
 
 
-def _default_chunk_size(n: int, vocab: int, compiled: bool = False) -> int:
-    elements = _CHUNK_ELEMENTS_COMPILED if compiled else _CHUNK_ELEMENTS
+def _default_chunk_size(n: int, vocab: int, single_pass: bool = False) -> int:
+    elements = _CHUNK_ELEMENTS_SINGLE_PASS if single_pass else _CHUNK_ELEMENTS
     return max(1, min(n, elements // max(vocab, 1)))
 
 
@@ -70,12 +70,14 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+# The chunk functions take targets in [0, V) on every row (an ignored row's target replaced by
+# 0, once for all chunks, in the forward) and zero what the ignored rows contribute.
+
 def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
                 acc: torch.dtype) -> torch.Tensor:
     """Summed cross-entropy of one chunk of logits (c, V) over its valid rows."""
     x = logits.to(acc)
-    safe = torch.where(valid, targets, torch.zeros_like(targets))
-    picked = x.gather(1, safe[:, None]).squeeze(1)
+    picked = x.gather(1, targets[:, None]).squeeze(1)
     return torch.where(valid, torch.logsumexp(x, dim=-1) - picked, 0.0).sum()
 
 
@@ -83,11 +85,10 @@ def _chunk_loss_and_grad_eager(logits, targets, valid, n_valid, acc, grad_dtype)
     """(summed loss, d mean-loss / d logits in grad_dtype) of one chunk; overwrites ``logits``."""
     x = logits.to(acc)
     lse = torch.logsumexp(x, dim=-1)
-    safe = torch.where(valid, targets, torch.zeros_like(targets))
-    loss = torch.where(valid, lse - x.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    loss = torch.where(valid, lse - x.gather(1, targets[:, None]).squeeze(1), 0.0).sum()
     # (softmax - onehot) / n_valid, zero on ignored rows, reusing one (c, V) buffer
     grad = x.sub_(lse[:, None]).exp_()
-    grad.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+    grad.scatter_add_(1, targets[:, None], torch.full_like(lse[:, None], -1.0))
     grad.mul_((valid.to(acc) / n_valid)[:, None])
     return loss, grad.to(grad_dtype)
 
@@ -97,8 +98,7 @@ def _chunk_loss_and_grad_fusable(logits, targets, valid, n_valid, acc, grad_dtyp
     # reduction plus a single read-logits/write-gradient pass instead of ~6 passes.
     x = logits.to(acc)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    safe = torch.where(valid, targets, torch.zeros_like(targets))[:, None]
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == safe
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]
     picked = torch.where(onehot, x, 0.0).sum(dim=1, keepdim=True)
     loss = torch.where(valid[:, None], lse - picked, 0.0).sum()
     scale = valid[:, None].to(acc) / n_valid
@@ -115,6 +115,15 @@ def _compiles_chunks(t: torch.Tensor) -> bool:
     return t.is_cuda and not _compile_failed and not torch.compiler.is_compiling()
 
 
+def _single_pass_chunks(t: torch.Tensor) -> bool:
+    """Whether the chunk math on `t`'s device reads the logits once and writes their gradient in
+    place (the Triton kernel, or the compiled math), so that chunks may be larger."""
+    from scratchlm.kernels.triton_support import triton_available
+
+    return (t.is_cuda and not torch.compiler.is_compiling()
+            and ((_use_triton_rows and triton_available()) or not _compile_failed))
+
+
 def _chunk_loss_and_grad(logits, targets, valid, n_valid, acc, grad_dtype):
     """On CUDA the Triton kernel of `cross_entropy_rows` (in place), else compiled (once per
     chunk shape); eager elsewhere or if compilation fails."""
@@ -123,8 +132,7 @@ def _chunk_loss_and_grad(logits, targets, valid, n_valid, acc, grad_dtype):
         from scratchlm.kernels.cross_entropy_triton import cross_entropy_rows, cross_entropy_rows_supported
 
         if cross_entropy_rows_supported(logits):
-            safe = torch.where(valid, targets, torch.zeros_like(targets))
-            return cross_entropy_rows(logits, safe, valid.to(acc) / n_valid)
+            return cross_entropy_rows(logits, targets, valid.to(acc) / n_valid)
     if _compiles_chunks(logits):
         try:
             if _compiled_chunk is None:
@@ -147,8 +155,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         dtype = _compute_dtype(hidden)
         need_grad = compute_grad and (hidden.requires_grad or weight.requires_grad)
-        chunk = chunk_size or _default_chunk_size(n, vocab, compiled=need_grad and _compiles_chunks(hidden))
+        chunk = chunk_size or _default_chunk_size(n, vocab, single_pass=need_grad and _single_pass_chunks(hidden))
         valid = targets != ignore_index
+        targets = targets.masked_fill(~valid, 0)  # any index in [0, V): the chunks zero these rows
         acc = torch.promote_types(dtype, torch.float32)  # float64 stays float64 (exact tests)
         n_valid = valid.sum().clamp(min=1).to(acc)
 
