@@ -22,25 +22,21 @@ import sys
 import torch
 
 import train_step as ts
-from scratchlm.bench.harness import benchmark
 from scratchlm.bench.profile import kernel_breakdown, kernel_times
 
 
 def measure(name: str, make, shape: dict, rows: int) -> dict:
-    B, T = shape["batch"], shape["context_length"]
-    x = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
-    y = torch.randint(0, shape["vocab_size"], (B, T), device="cuda")
+    """`train_step._measure`'s row for the step, plus its kernels over two profiled steps."""
+
+    def profile(step, row):
+        times = kernel_times(step, steps=2)
+        for kernel, (ms, launches) in sorted(times.items(), key=lambda kv: -kv[1][0])[:rows]:
+            print(f"  {ms:8.3f} ms {launches:5.0f}x  {kernel[:120]}")
+        row.update(classes_ms=kernel_breakdown(times), kernels={k: list(v) for k, v in times.items()})
+
     torch._dynamo.reset()
-    step = make(x, y)
-    r = benchmark(step, warmup=3, steps=10)
-    b2b = ts._back_to_back(step, 10)
-    times = kernel_times(step, steps=2)
-    print(f"\n{name}: {r.median * 1e3:.2f} ms per step synchronised (std {r.std * 1e3:.2f}), "
-          f"{b2b * 1e3:.2f} ms back to back", flush=True)
-    for kernel, (ms, launches) in sorted(times.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"  {ms:8.3f} ms {launches:5.0f}x  {kernel[:120]}")
-    return {"variant": name, "median_ms": r.median * 1e3, "back_to_back_ms": b2b * 1e3,
-            "classes_ms": kernel_breakdown(times), "kernels": {k: list(v) for k, v in times.items()}}
+    flops_token = ts.model_flops_per_token(ts._ref_flops_model(shape), shape["context_length"])
+    return ts._measure(name, make, shape, 3, 10, flops_token, after=profile)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,15 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     holder.clear()
     results.append(measure(label, ts.make_scratchlm(shape, holder, **kwargs), shape, args.rows))
     holder.clear()
+    if any("error" in r for r in results):
+        return 1
     ref, ours = (r["classes_ms"] for r in results)
     print(f"\n{args.shape}: ms per step by kernel class (profiled)")
     print(f"  {'class':<12}{'reference':>11}{'scratchlm':>11}{'difference':>12}")
     for cls in [c for c in dict.fromkeys([*ref, *ours]) if c != "total"] + ["total"]:
         a, b = ref.get(cls, 0.0), ours.get(cls, 0.0)
         print(f"  {cls:<12}{a:11.2f}{b:11.2f}{b - a:+12.2f}")
-    ratio = results[0]["median_ms"] / results[1]["median_ms"]
+    ratio = results[0]["median_s"] / results[1]["median_s"]
     print(f"  speed ratio, scratchlm vs reference: {ratio:.3f}x synchronised, "
-          f"{results[0]['back_to_back_ms'] / results[1]['back_to_back_ms']:.3f}x back to back")
+          f"{results[0]['back_to_back_s'] / results[1]['back_to_back_s']:.3f}x back to back")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, **shape, "rows": results}, f, indent=1)

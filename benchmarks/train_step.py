@@ -214,7 +214,9 @@ def _back_to_back(step, steps: int, repeats: int = 3) -> float:
     return sorted(per_step)[len(per_step) // 2]
 
 
-def _measure(name, make, shape, warmup, steps, flops_token):
+def _measure(name, make, shape, warmup, steps, flops_token, after=None):
+    """Time the step `make(x, y)` builds (synchronised steps and back to back) into one row;
+    `after(step, row)`, if given, then adds to the row (step_breakdown.py profiles the step)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     B, T = shape["batch"], shape["context_length"]
@@ -244,6 +246,8 @@ def _measure(name, make, shape, warmup, steps, flops_token):
         from scratchlm.bench.profile import profile_table
 
         print(profile_table(step, 2, row_limit=PROFILE_ROWS), flush=True)
+    if after is not None:
+        after(step, row)
     if ON_ROW is not None:
         ON_ROW(row)
     return row
