@@ -13,7 +13,6 @@
   Triton kernel that writes both gradients as one tensor.
 - ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
   logits never exist at once.
-
 - ``triton_support``: what the Triton kernels share (the guarded import, when a tensor can run
   them, registration as ops that torch.compile sees into).
 
