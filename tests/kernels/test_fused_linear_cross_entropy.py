@@ -104,3 +104,17 @@ def test_fusable_chunk_math_matches_in_place_version():
     b = _chunk_loss_and_grad_eager(logits.clone(), targets, valid, n_valid, torch.float64, torch.float64)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y)
+
+
+def test_cpu_chunks_are_sized_for_the_eager_chunk_math(monkeypatch):
+    from scratchlm.kernels import fused_linear_cross_entropy as flce
+
+    # The eager math holds float32 copies of a chunk: on CPU the smaller budget applies.
+    assert not flce._single_pass_chunks(torch.empty(1))
+    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", 10 * 50)
+    sizes = []
+    real = flce._chunk_loss_and_grad
+    monkeypatch.setattr(flce, "_chunk_loss_and_grad", lambda logits, *a: sizes.append(len(logits)) or real(logits, *a))
+    hidden, weight, targets = _case(35, 8, 50, seed=2, dtype=torch.float32, device="cpu")
+    fused_linear_cross_entropy(hidden, weight, targets).backward()
+    assert sizes == [10, 10, 10, 5]
