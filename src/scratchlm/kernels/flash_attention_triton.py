@@ -51,7 +51,7 @@ from scratchlm.kernels.flash_attention_torch import (
     flash_attention_backward_torch,
     flash_attention_forward_torch,
 )
-from scratchlm.kernels.rope_triton import rope_qk_op
+from scratchlm.kernels.rope_triton import check_tables, rope_qk_op
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import interpreting as _interpreting
@@ -717,13 +717,9 @@ def flash_attention_qkv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor | N
     if (cos is None) != (sin is None):
         raise ValueError("give both cos and sin, or neither")
     if cos is not None:
-        B, T = qkv.shape[:2]
-        half = qkv.shape[-1] // (6 * num_heads)
         if cos.dim() == 3 and cos.shape[0] == 1:  # positions shared by the batch, as (1, T)
             cos, sin = cos[0], sin[0]
-        if cos.shape not in ((T, half), (B, T, half)) or sin.shape != cos.shape:
-            raise ValueError(f"cos and sin must be ({T}, {half}) or ({B}, {T}, {half}) for qkv "
-                             f"{tuple(qkv.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        check_tables(qkv, num_heads, cos, sin)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     return _FlashAttentionQKV.apply(qkv, cos, sin, num_heads, is_causal)
 

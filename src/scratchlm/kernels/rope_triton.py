@@ -82,17 +82,22 @@ def _rope_qk_fake(qkv, cos, sin, num_heads):
 rope_qk_op = register_op("scratchlm::rope_qk", _rope_qk_impl, _rope_qk_fake)
 
 
+def check_tables(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise ValueError unless cos and sin are both (T, d/2) or (B, T, d/2) for qkv (B, T, 3·H·d)."""
+    B, T, width = qkv.shape
+    half = width // (6 * num_heads)
+    if cos.shape not in ((T, half), (B, T, half)) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be ({T}, {half}) or ({B}, {T}, {half}) for qkv "
+                         f"{tuple(qkv.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
     """q | k of qkv (B, T, 3·H·d) rotated by RoPE: (B, T, 2·H·d); cos, sin float32 (T, d/2) or
     (B, T, d/2), contiguous. Not differentiable (see the module docstring)."""
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * num_heads) or (qkv.shape[-1] // (3 * num_heads)) % 2:
         raise ValueError(f"qkv must be (batch, seq, 3·heads·d) with even d for {num_heads} heads, "
                          f"got {tuple(qkv.shape)}")
-    B, T, width = qkv.shape
-    half = width // (6 * num_heads)
-    if cos.shape not in ((T, half), (B, T, half)) or sin.shape != cos.shape:
-        raise ValueError(f"cos and sin must be ({T}, {half}) or ({B}, {T}, {half}), "
-                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    check_tables(qkv, num_heads, cos, sin)
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos and sin must be contiguous float32 tables")
     return rope_qk_op(qkv, cos, sin, num_heads)
