@@ -153,11 +153,7 @@ class MultiHeadSelfAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
 
         if self.rope is not None:
-            if token_positions is None and kv_cache is not None:
-                token_positions = kv_cache.positions(T, layer_idx=self.layer_idx, device=x.device)
-            elif token_positions is None:
-                token_positions = torch.arange(T, device=x.device)
-            cos, sin = self.rope.tables(token_positions)  # (T, d/2) or (B, T, d/2)
+            cos, sin = self._rope_tables(T, token_positions, kv_cache, x.device)  # (T, d/2) or (B, T, d/2)
             if flash:
                 cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., T, 1, d/2): over heads
             elif cos.dim() >= 3:
@@ -191,10 +187,17 @@ class MultiHeadSelfAttention(nn.Module):
         qkv = project_together(x, projections, concatenated=True)  # (B, T, 3·d_model)
         cos = sin = None
         if self.rope is not None:
-            positions = torch.arange(T, device=x.device) if token_positions is None else token_positions
-            cos, sin = self.rope.tables(positions)
+            cos, sin = self._rope_tables(T, token_positions, None, x.device)
         out = self._flash_qkv(qkv, self.num_heads, cos, sin, True)  # (B, H, T, d), laid out (B, T, H, d)
         return out.transpose(1, 2).reshape(B, T, self.d_model)
+
+    def _rope_tables(self, T: int, token_positions: Tensor | None, kv_cache, device) -> tuple[Tensor, Tensor]:
+        # RoPE's cos/sin at the given positions; by default the cache's next T, else 0 .. T - 1.
+        if token_positions is None and kv_cache is not None:
+            token_positions = kv_cache.positions(T, layer_idx=self.layer_idx, device=device)
+        elif token_positions is None:
+            token_positions = torch.arange(T, device=device)
+        return self.rope.tables(token_positions)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
