@@ -12,9 +12,20 @@ def test_unsupported_inputs_are_refused_with_a_message():
         cross_entropy_rows(logits, torch.zeros(4, dtype=torch.long), torch.ones(4))
 
 
+@pytest.mark.parametrize("vocab", [4097, 10_000, 32_000, 50_257, 151_936])
+def test_loop_steps_pad_rows_little(vocab):
+    from scratchlm.kernels.cross_entropy_triton import _BLOCK, _SMALL_BLOCK, _loop_block
+
+    block, warps = _loop_block(vocab)
+    padded = {b: -(-vocab // b) * b for b in (_BLOCK, _SMALL_BLOCK)}
+    assert padded[block] <= 1.05 * min(padded.values())
+    assert block // warps == 512  # 16 entries per thread in either case
+    assert block == _BLOCK or padded[_BLOCK] > 1.05 * padded[_SMALL_BLOCK]  # 4096 unless it pads much more
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [7, 1000, 4096, 4097, 32_000, 50_257])  # one block, and the two-pass loop
+@pytest.mark.parametrize("vocab", [7, 1000, 4096, 4097, 10_000, 32_000, 50_257])  # one block, the two-pass loop
 def test_gpu_matches_the_eager_chunk_math(dtype, vocab):
     g = torch.Generator().manual_seed(vocab)
     rows = 37

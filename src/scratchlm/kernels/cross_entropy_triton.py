@@ -26,7 +26,22 @@ except ImportError:  # CPU-only torch wheels may ship without triton
 __all__ = ["cross_entropy_rows", "cross_entropy_rows_supported"]
 
 _BLOCK = 4096  # entries per step of the two-pass loop (16 per thread with 8 warps)
+_SMALL_BLOCK = 2048  # the same with 4 warps, for rows that 4096-entry steps would pad badly
 _ONE_BLOCK_MAX = 4096  # rows up to this length are handled in one block
+
+
+def _loop_block(V: int) -> tuple[int, int]:
+    """(entries per step, warps) of the two-pass loop over rows of V > _ONE_BLOCK_MAX entries.
+
+    The last step of a row is masked, so its padding is work without data: 2048-entry steps
+    are taken when they pad the row at least 5% less than 4096-entry ones (V = 10,000: 10,240
+    entries instead of 12,288; on an H200, 0.37 against 0.49 ms for 26,843 bf16 rows), else
+    4096 (V = 32,000: 0.39 against 0.40 ms for 8,388 rows).
+    """
+    padded = lambda block: -(-V // block) * block  # noqa: E731
+    if padded(_BLOCK) > 1.05 * padded(_SMALL_BLOCK):
+        return _SMALL_BLOCK, 4
+    return _BLOCK, 8
 
 
 def cross_entropy_rows_supported(logits: torch.Tensor) -> bool:
@@ -89,9 +104,12 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     if c == 0:
         return loss.sum(), logits
     one_block = V <= _ONE_BLOCK_MAX
-    block = triton.next_power_of_2(V) if one_block else _BLOCK
+    if one_block:
+        block = triton.next_power_of_2(V)
+        warps = 8 if block >= 2048 else 4
+    else:
+        block, warps = _loop_block(V)
     with torch.cuda.device(logits.device):
         _cross_entropy_rows_kernel[(c,)](logits, targets.contiguous(), scale.to(torch.float32).contiguous(), loss,
-                                         V, logits.stride(0), BLOCK=block, ONE_BLOCK=one_block,
-                                         num_warps=8 if block >= 2048 else 4)
+                                         V, logits.stride(0), BLOCK=block, ONE_BLOCK=one_block, num_warps=warps)
     return loss.sum(), logits
