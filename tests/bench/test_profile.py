@@ -11,7 +11,7 @@ NAMES = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
     "_bwd_dkdv_kernel": "attention",
     "_fwd_kernel": "attention",
-    "_bwd_preprocess_kernel": "attention",
+    "_bwd_dq_kernel": "attention",
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
     "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)": "attention",
     "_cross_entropy_rows_kernel": "loss",

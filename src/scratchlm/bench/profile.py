@@ -98,7 +98,7 @@ def profile_table(fn: Callable[[], Any], steps: int = 2, *, row_limit: int = 20)
 # work: norms, RoPE, the SwiGLU forward, casts).
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|splitKreduce"),
-    ("attention", r"^_fwd_kernel|^_bwd_(dkdv|dq|preprocess)|cudnn|flash|fmha|sdpa"),
+    ("attention", r"^_fwd_kernel|^_bwd_(dkdv|dq)|cudnn|flash|fmha|sdpa"),
     ("loss", r"cross_entropy"),
     ("optimizer", r"adam|multi_tensor_apply"),
     ("swiglu", r"swiglu"),

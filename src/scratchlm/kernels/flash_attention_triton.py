@@ -9,10 +9,10 @@ reference the tests compare against); this file is the fast version:
   Under causality, key tiles entirely above the diagonal are never visited, tiles strictly
   below it run without any mask, and only the diagonal tiles pay for ``tl.where``.
   Causal programs are launched longest-first so the tail of the grid is short work.
-- backward, FA2 style and without atomics: a preprocessing kernel computes
-  ``D = rowsum(dO * O)``; a dK/dV kernel owns one key tile and streams over query tiles;
-  a separate dQ kernel owns one query tile and streams over key tiles. Each output tile is
-  written exactly once.
+- backward, FA2 style and without atomics: a dQ kernel owns one query tile and streams over
+  key tiles; it first computes its rows' ``D = rowsum(dO * O)`` (no separate pass over dO and
+  O) and stores it for the dK/dV kernel, launched after it, which owns one key tile and streams
+  over query tiles. Each output tile is written exactly once.
 - ``flash_attention_qkv``: attention over the concatenated q|k|v projections (B, T, 3·H·d), q
   and k rotated by RoPE in one pass (``rope_triton``). Its backward op,
   ``scratchlm::flash_attention_backward_qkv``, writes one (B, T, 3·H·d) gradient: the dK/dV and
@@ -256,23 +256,6 @@ if triton is not None:
             tl.store(lse_ptrs, lse, mask=offs_m < N_CTX)
 
     @triton.jit
-    def _bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
-                               stride_dob, stride_doh, stride_dot, H, N_CTX,
-                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-        start_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
-        off_b = (off_bh // H).to(tl.int64)
-        off_h = (off_bh % H).to(tl.int64)
-        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
-        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
-        do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-        tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
-
-    @triton.jit
     def _rope_transpose(g, COS, SIN, off_b, stride_cb, stride_ct, rows, N_CTX, HEAD_DIM: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
         # The gradient of an interleaved-pair rotation by angle a at each row's position: pair
@@ -415,10 +398,10 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, sm_scale,
+    def _bwd_dq_kernel(Q, K, V, DO, O, DQ, LSE, DELTA, sm_scale,
                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                       stride_dqb, stride_dqh, stride_dqt,
+                       stride_ob, stride_oh, stride_ot, stride_dqb, stride_dqh, stride_dqt,
                        H, N_CTX, COS, SIN, stride_cb, stride_ct, dq_offset,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr,
@@ -435,18 +418,24 @@ if triton is not None:
         row_mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
         q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
         do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
+        o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
         if EVEN_M and EVEN_D:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
+            o = tl.load(o_ptrs)
         else:
             q = tl.load(q_ptrs, mask=row_mask, other=0.0)
             do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+            o = tl.load(o_ptrs, mask=row_mask, other=0.0)
+        # D = rowsum(dO * O) of this tile's rows, for dq here and for the dK/dV kernel after it
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        row_ptrs = off_bh.to(tl.int64) * N_CTX + offs_m
         if EVEN_M:
-            lse = tl.load(LSE + off_bh.to(tl.int64) * N_CTX + offs_m)
-            delta = tl.load(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m)
+            lse = tl.load(LSE + row_ptrs)
+            tl.store(DELTA + row_ptrs, delta)
         else:
-            lse = tl.load(LSE + off_bh.to(tl.int64) * N_CTX + offs_m, mask=offs_m < N_CTX, other=0.0)
-            delta = tl.load(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, mask=offs_m < N_CTX, other=0.0)
+            lse = tl.load(LSE + row_ptrs, mask=offs_m < N_CTX, other=0.0)
+            tl.store(DELTA + row_ptrs, delta, mask=offs_m < N_CTX)
         lse = lse * 1.4426950408889634
         k_base = K + off_b * stride_kb + off_h * stride_kh
         v_base = V + off_b * stride_vb + off_h * stride_vh
@@ -569,9 +558,7 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
         cos, sin = rope
         rope_args = (cos, sin, cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))
     tiles = _fixed_tiles(q.dtype, block_d)
-    delta = torch.empty_like(lse)
-    pre_m = 64
-    pre_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if packed is not None:  # DV is then a stand-in the kernel never touches
         grads = (packed, packed, q)
@@ -579,20 +566,18 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     dkdv_args = (q, k, v, do, grads[1], grads[2], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
                  *_strides(do), *_strides(dk), *_strides(dv), H, T, *rope_args, offsets[1], offsets[2])
     dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
-    dq_args = (q, k, v, do, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-               *_strides(do), *_strides(dq), H, T, *rope_args, offsets[0])
+    dq_args = (q, k, v, do, o, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+               *_strides(do), *_strides(o), *_strides(dq), H, T, *rope_args, offsets[0])
     dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    with _device(q):
-        wrap_triton(_bwd_preprocess_kernel)[pre_grid](
-            o, do, delta, *_strides(o), *_strides(do), H, T, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m)
+    with _device(q):  # dQ first: it computes D = rowsum(dO * O), which the dK/dV kernel reads
         if autotune:
             dkdv_kernel = _dkdv_tuned_big_d if block_d > 64 else _dkdv_tuned
             dq_kernel = _dq_tuned_big_d if block_d > 64 else _dq_tuned
-            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True)
             wrap_triton(dq_kernel)[dq_grid](*dq_args, **common, EVEN_M=True, EVEN_N=True)
+            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True)
         else:
-            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, **_fixed_meta(tiles["dkdv"], T))
             wrap_triton(_bwd_dq_kernel)[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"], T))
+            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, **_fixed_meta(tiles["dkdv"], T))
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
