@@ -6,7 +6,7 @@
 scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile, in the
 variants of VARIANTS (`--variants`, default all): scratchlm's AdamW (multi-tensor path), torch's
 fused AdamW, scratchlm's Triton AdamW; then the fastest configuration, the compiled trunk
-(`hidden_states`) with the fused LM head + loss (`fused_linear_cross_entropy`, no float32
+(`head_inputs`: `hidden_states` in the autocast dtype) with the fused LM head + loss (`fused_linear_cross_entropy`, no float32
 logits) and the Triton AdamW, with and without CUDA graphs (mode="reduce-overhead"); model and
 loss compiled together; and the CUDA-graph configuration with q/k/v and w1/w3 as separate
 forward matmuls (`model.fused_projections=False`), and with q/k/v's backward as three matmuls
@@ -133,7 +133,7 @@ def _plain_loss(model, x, y):
 def _fused_loss(model, x, y):
     from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-    return fused_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
+    return fused_linear_cross_entropy(model.head_inputs(x), model.lm_head.weight, y)
 
 
 def _scratchlm_model(shape, backend="flash_triton", fused_projections=True, packed_qkv_backward=True):
@@ -175,7 +175,7 @@ def make_scratchlm(shape: dict, holder: dict, optimizer: str, fused_head: bool =
         if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)
             from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-            trunk = torch.compile(m.hidden_states, mode=mode)
+            trunk = torch.compile(m.head_inputs, mode=mode)
             step = _step_fn(m, opt, x, y, lambda _m, a, b: fused_linear_cross_entropy(
                 trunk(a), m.lm_head.weight, b))
         elif compile_loss:

@@ -88,6 +88,28 @@ def test_forward_is_lm_head_of_hidden_states():
     torch.testing.assert_close(model(ids), model.hidden_states(ids) @ model.lm_head.weight.t())
 
 
+def test_head_inputs_are_hidden_states_in_the_heads_dtype():
+    from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    model = TransformerLM(**TINY)
+    ids, targets = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    torch.testing.assert_close(model.head_inputs(ids), model.hidden_states(ids), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.head_inputs(ids)
+        ref = model.hidden_states(ids)
+        assert h.dtype == torch.bfloat16 and ref.dtype == torch.float32
+        torch.testing.assert_close(h, ref.to(torch.bfloat16), rtol=0, atol=0)
+        # the fused head casts its input to that dtype itself: loss and gradients are the same
+        grads = []
+        for fn in (model.head_inputs, model.hidden_states):
+            model.zero_grad()
+            fused_linear_cross_entropy(fn(ids), model.lm_head.weight, targets).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 VARIANTS = [
     {},
     {"norm_position": "post"},

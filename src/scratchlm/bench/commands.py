@@ -108,7 +108,7 @@ def _loss_fn(model, fused: bool) -> Callable[[torch.Tensor, torch.Tensor], torch
         from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
         def loss(x, y):
-            return fused_linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y)
+            return fused_linear_cross_entropy(model.head_inputs(x), model.lm_head.weight, y)
     else:
         def loss(x, y):
             logits = model(x)
@@ -139,7 +139,7 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     runner = torch.compile(model) if args.compile else model
     if args.fused_lm_head:
         # compiled, the trunk only: the chunked loss loop stays eager (it is a few large matmuls)
-        trunk = _HiddenProxy(model, torch.compile(model.hidden_states)) if args.compile else model
+        trunk = _HiddenProxy(model, torch.compile(model.head_inputs)) if args.compile else model
         loss_fn = _loss_fn(trunk, True)
     elif args.compile:
         # the model and the float32 cross-entropy in one compiled graph, as a compiled training
@@ -211,10 +211,10 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 
 
 class _HiddenProxy:
-    """Exposes a compiled `hidden_states` with the model's `lm_head` for the fused loss."""
+    """Exposes a compiled `head_inputs` with the model's `lm_head` for the fused loss."""
 
-    def __init__(self, model, hidden_states):
-        self.hidden_states = hidden_states
+    def __init__(self, model, head_inputs):
+        self.head_inputs = head_inputs
         self.lm_head = model.lm_head
 
 

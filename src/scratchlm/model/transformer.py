@@ -248,6 +248,18 @@ class TransformerLM(nn.Module):
             x = layer(x, token_positions, kv_cache, attention_mask=attention_mask)
         return self.ln_final(x)
 
+    def head_inputs(self, token_ids: Tensor, token_positions: Tensor | None = None, kv_cache: Any = None,
+                    *, attention_mask: Tensor | None = None) -> Tensor:
+        """`hidden_states` in the dtype the LM head's matmul runs in: the autocast dtype under
+        autocast (where ``lm_head`` would cast them itself), else unchanged. This is the input of
+        the fused head and loss (`fused_linear_cross_entropy`); compiled with the trunk, the cast
+        is written by the final norm's kernel instead of being a pass of its own, and the head's
+        gradient comes back in that dtype (it is computed in it)."""
+        h = self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask)
+        if torch.is_autocast_enabled(h.device.type) and h.is_floating_point():
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        return h
+
     def forward(
         self,
         token_ids: Tensor,

@@ -112,7 +112,7 @@ class Trainer:
         # "reduce-overhead" replays both as CUDA graphs: small models are bound by kernel launches.
         self._loss_fn = torch.compile(cross_entropy, mode=tc.compile_mode) if tc.compile else cross_entropy
         self._cudagraphs = tc.compile and tc.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        self._hidden_states = self._fused_head_trunk() if tc.fused_lm_head else None
+        self._head_inputs = self._fused_head_trunk() if tc.fused_lm_head else None
         self.optimizer = self._build_optimizer()
 
         self.step = 0
@@ -158,21 +158,21 @@ class Trainer:
         return model
 
     def _fused_head_trunk(self):
-        """The (compiled) `hidden_states` the fused head's loss is computed from."""
+        """The (compiled) `head_inputs` the fused head's loss is computed from."""
         tc = self.cfg.trainer
         if self.engine is not None:
             raise UserError("trainer.fused_lm_head runs single-process only: the data-parallel wrappers "
                             "synchronise gradients through the model's forward, which the fused head bypasses")
-        trunk = self.raw_model.hidden_states
+        trunk = self.raw_model.head_inputs
         return torch.compile(trunk, mode=tc.compile_mode) if tc.compile else trunk
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
-        if self._hidden_states is not None:
+        if self._head_inputs is not None:
             from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
             with self._autocast():  # the head's matmuls run in the autocast dtype, as F.linear's would
-                return fused_linear_cross_entropy(self._hidden_states(x), self.raw_model.lm_head.weight, y)
+                return fused_linear_cross_entropy(self._head_inputs(x), self.raw_model.lm_head.weight, y)
         with self._autocast():
             logits = self.model(x)
         return self._loss_fn(logits, y)
