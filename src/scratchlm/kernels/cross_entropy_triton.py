@@ -36,7 +36,7 @@ def _loop_block(V: int) -> tuple[int, int]:
     The last step of a row is masked, so its padding is work without data: 2048-entry steps
     are taken when they pad the row at least 5% less than 4096-entry ones (V = 10,000: 10,240
     entries instead of 12,288; on an H200, 0.37 against 0.49 ms for 26,843 bf16 rows), else
-    4096 (V = 32,000: 0.39 against 0.40 ms for 8,388 rows).
+    4096 (V = 32,000: 0.39 against 0.41 ms for 8,388 rows).
     """
     padded = lambda block: -(-V // block) * block  # noqa: E731
     if padded(_BLOCK) > 1.05 * padded(_SMALL_BLOCK):
