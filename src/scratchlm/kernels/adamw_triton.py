@@ -24,11 +24,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch wheels may ship without triton
-    triton = None
+from scratchlm.kernels.triton_support import tl, triton  # None without triton (CPU-only wheels)
 
 __all__ = ["fused_adamw_step", "fused_adamw_supported"]
 

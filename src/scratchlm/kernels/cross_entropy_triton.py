@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch wheels may ship without triton
-    triton = None
+from scratchlm.kernels.triton_support import tl, triton  # None without triton (CPU-only wheels)
 
 __all__ = ["cross_entropy_rows", "cross_entropy_rows_supported"]
 

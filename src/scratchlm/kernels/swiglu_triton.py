@@ -20,13 +20,12 @@ import torch
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import register_op as _register
-from scratchlm.kernels.triton_support import triton, wrap_triton
+from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 from scratchlm.model.functional import silu
 
 __all__ = ["swiglu"]
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _swiglu_backward_kernel(GU, G, DGU, n_elements, F, BLOCK: tl.constexpr):
