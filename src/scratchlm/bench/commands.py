@@ -139,7 +139,7 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     runner = torch.compile(model) if args.compile else model
     if args.fused_lm_head:
         # compiled, the trunk only: the chunked loss loop stays eager (it is a few large matmuls)
-        trunk = _HiddenProxy(model, torch.compile(model.head_inputs)) if args.compile else model
+        trunk = _TrunkProxy(model, torch.compile(model.head_inputs)) if args.compile else model
         loss_fn = _loss_fn(trunk, True)
     elif args.compile:
         # the model and the float32 cross-entropy in one compiled graph, as a compiled training
@@ -210,7 +210,7 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     return results
 
 
-class _HiddenProxy:
+class _TrunkProxy:
     """Exposes a compiled `head_inputs` with the model's `lm_head` for the fused loss."""
 
     def __init__(self, model, head_inputs):
