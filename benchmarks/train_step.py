@@ -8,9 +8,9 @@ variants of VARIANTS (`--variants`, default all): scratchlm's AdamW (multi-tenso
 fused AdamW, scratchlm's Triton AdamW; then the fastest configuration, the compiled trunk
 (`head_inputs`: `hidden_states` in the autocast dtype) with the fused LM head + loss
 (`fused_linear_cross_entropy`, no float32 logits) and the Triton AdamW, with and without CUDA
-graphs (mode="reduce-overhead"); model and loss compiled together; and the CUDA-graph configuration with q/k/v and w1/w3 as separate
-forward matmuls (`model.fused_projections=False`), and with q/k/v's backward as three matmuls
-each way (`model.packed_qkv_backward=False`).
+graphs (mode="reduce-overhead"); model and loss compiled together; and the CUDA-graph
+configuration with q/k/v and w1/w3 as separate forward matmuls (`model.fused_projections=False`),
+and with q/k/v's backward as three matmuls each way (`model.packed_qkv_backward=False`).
 Reference: nn.Embedding / nn.RMSNorm / nn.Linear, F.scaled_dot_product_attention (causal),
 SwiGLU, rotary embeddings, fused torch.optim.AdamW, bf16 autocast, torch.compile, and
 F.cross_entropy on float32 logits. MFU counts 6 FLOPs per matrix weight per token plus causal
