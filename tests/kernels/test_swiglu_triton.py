@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from scratchlm.kernels.flash_attention_triton import triton_available
+from scratchlm.kernels.triton_support import triton_available
 from scratchlm.kernels.swiglu_triton import swiglu
 from scratchlm.model.functional import silu
 
