@@ -520,7 +520,10 @@ def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
 # every tl.constexpr passed by keyword: traced by torch.compile, that call becomes a
 # triton_kernel_wrapper HOP that Inductor launches itself; run eagerly it is a plain launch.
 
-def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None:
+def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool,
+                    tiles: tuple[int, int, int, int] | None = None) -> None:
+    # tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with instead of the tuned or
+    # fixed ones (benchmarks/attention_tiles.py sweeps them).
     B, H, T, D = q.shape
     block_d = _block_d(D)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=D == block_d,
@@ -528,17 +531,20 @@ def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool) -> None
     args = (q, k, v, o, lse, 1.0 / math.sqrt(D), *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, T)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     with _device(q):
-        if autotune:
+        if autotune and tiles is None:
             kernel = _fwd_tuned_big_d if block_d > 64 else _fwd_tuned
             wrap_triton(kernel)[grid](*args, **common, EVEN_M=True, EVEN_N=True)
         else:
-            meta = _fixed_meta(_fixed_tiles(q.dtype, block_d)["fwd"], T)
+            meta = _fixed_meta(tiles or _fixed_tiles(q.dtype, block_d)["fwd"], T)
             wrap_triton(_fwd_kernel)[grid](*args, **common, **meta)
 
 
 def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotune: bool,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     packed: torch.Tensor | None = None) -> None:
+                     packed: torch.Tensor | None = None,
+                     tiles: dict[str, tuple[int, int, int, int]] | None = None) -> None:
+    # tiles: {"dq": ..., "dkdv": ...} (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with
+    # instead of the tuned or fixed ones (benchmarks/attention_tiles.py sweeps them).
     # rope: the (cos, sin) tables, (T, D/2) or (B, T, D/2) float32, by which q and k were rotated;
     # dq and dk are then rotated back (the gradients of the unrotated q and k).
     # packed: the one buffer of which dq, dk and dv are views. The kernels then get that buffer
@@ -557,7 +563,9 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     else:
         cos, sin = rope
         rope_args = (cos, sin, cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))
-    tiles = _fixed_tiles(q.dtype, block_d)
+    if tiles is not None:
+        autotune = False
+    tiles = {**_fixed_tiles(q.dtype, block_d), **(tiles or {})}
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if packed is not None:  # DV is then a stand-in the kernel never touches
