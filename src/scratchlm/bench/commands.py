@@ -197,9 +197,7 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
             stats = benchmark(fns[mode], warmup=args.warmup, steps=args.steps, device=device)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            raise UserError(f"out of GPU memory in {mode} with batch {B} x context {T} "
-                            f"({results['params'] / 1e6:.0f}M parameters); try a smaller "
-                            "--batch-size/--context-length, --activation-checkpointing 1 or --fused-lm-head") from None
+            raise UserError(_out_of_memory_message(model, mode, B, T, device)) from None
         results["modes"][mode] = _summarise(stats, mode, B * T, flops_token, precision, device)
     if args.memory_snapshot:
         with memory_snapshot(args.memory_snapshot):
@@ -216,6 +214,23 @@ class _TrunkProxy:
     def __init__(self, model, head_inputs):
         self.head_inputs = head_inputs
         self.lm_head = model.lm_head
+
+
+def _out_of_memory_message(model: torch.nn.Module, mode: str, B: int, T: int, device: torch.device) -> str:
+    """What to try when `mode` ran out of memory: smaller activations, unless the weights (and,
+    for a training step, their gradients and AdamW's two moments) alone exceed the device."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = weights * (4 if mode == "train_step" else 2 if mode == "forward_backward" else 1)
+    total = torch.cuda.get_device_properties(device).total_memory
+    what = {"train_step": "weights, gradients and AdamW state", "forward_backward": "weights and gradients",
+            "forward": "weights"}[mode]
+    head = (f"out of GPU memory in {mode} with batch {B} x context {T} "
+            f"({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)")
+    if state > total:
+        return (f"{head}: the {what} alone need {state / 2**30:.1f} GiB, more than the device's "
+                f"{total / 2**30:.1f} GiB; use a smaller model or shard it over GPUs (--parallel.strategy=fsdp in train)")
+    return (f"{head}; try a smaller --batch-size/--context-length, --activation-checkpointing 1 "
+            "or --fused-lm-head")
 
 
 def _summarise(stats: BenchmarkResult, mode: str, tokens: int, flops_token: float, precision: str,
