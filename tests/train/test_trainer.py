@@ -305,6 +305,16 @@ def _reference_grads(cfg):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("every, checkpointed", [(1, [True, True]), (2, [True, False])])
+def test_activation_checkpointing_every_kth_block(cfg, tmp_path, every, checkpointed):
+    tc = replace(cfg.trainer, activation_checkpointing=True, activation_checkpointing_every=every)
+    trainer = trainer_mod.Trainer(replace(cfg, trainer=tc), tmp_path / "run", logger=_Quiet())
+    blocks = trainer.raw_model.layers
+    assert ["_scratchlm_forward_before_checkpointing" in b.__dict__ for b in blocks] == checkpointed
+    with pytest.raises(UserError, match="activation_checkpointing_every"):
+        load_config(TrainConfig, None, ["--trainer.activation_checkpointing_every=0"])
+
+
 @pytest.mark.parametrize("options", [dict(), dict(grad_accum_steps=2), dict(activation_checkpointing=True)],
                          ids=["plain", "accum", "checkpointing"])
 def test_moe_training_backpropagates_the_aux_losses_once(cfg, tmp_path, monkeypatch, options):

@@ -150,7 +150,7 @@ class Trainer:
         if tc.activation_checkpointing:
             from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, every=tc.activation_checkpointing_every)
         if tc.compile:
             model = torch.compile(model, mode=tc.compile_mode)
         if self.engine is not None:
