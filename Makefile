@@ -21,7 +21,7 @@ quickstart: $(STAMP)
 	$(BIN)/scratchlm quickstart
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs/quickstart
