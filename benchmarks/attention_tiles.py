@@ -59,9 +59,9 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
     # The autotuned path (the tuners' choices are read back after the first call).
     o_ref, lse_ref = fa._forward_triton(q, k, v, causal)
     dq_ref, dk_ref, dv_ref = fa._backward_triton(do, q, k, v, o_ref, lse_ref, causal)
-    auto = {name: str(getattr(getattr(fa, name), "best_config", None))
-            for name in ("_fwd_tuned", "_fwd_tuned_big_d", "_dq_tuned", "_dq_tuned_big_d",
-                         "_dkdv_tuned", "_dkdv_tuned_big_d")}
+    auto = {name: _tuned(getattr(fa, name)) for name in ("_fwd_tuned", "_fwd_tuned_big_d", "_dq_tuned",
+                                                          "_dq_tuned_big_d", "_dkdv_tuned", "_dkdv_tuned_big_d")}
+    fixed = fa._fixed_tiles(q.dtype, fa._block_d(D))  # what the launchers use when they do not tune
     result = {"shape": [B, H, T, D], "causal": causal, "auto": auto,
               "auto_fwd_ms": bench(lambda: fa._forward_triton(q, k, v, causal)),
               "auto_bwd_ms": bench(lambda: fa._backward_triton(do, q, k, v, o_ref, lse_ref, causal))}
@@ -96,11 +96,11 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
         rows["fwd"].append([list(t), r])
-    dkdv_auto = _parse(auto["_dkdv_tuned_big_d" if D > 64 else "_dkdv_tuned"]) or (32, 64, 4, 3)
+    dkdv_auto = auto["_dkdv_tuned_big_d" if D > 64 else "_dkdv_tuned"] or fixed["dkdv"]
     for t in candidates("dq"):
         rows["dq"].append([list(t), timed(f"bwd dq {t}", lambda: bwd({"dq": t, "dkdv": dkdv_auto}),
                                           lambda: _rel(grads[0], dq_ref))])
-    best_dq = _best(rows["dq"]) or (64, 32, 4, 3)
+    best_dq = _best(rows["dq"]) or fixed["dq"]
     for t in candidates("dkdv"):
         rows["dkdv"].append([list(t), timed(f"bwd dkdv {t}", lambda: bwd({"dq": best_dq, "dkdv": t}),
                                             lambda: max(_rel(grads[1], dk_ref), _rel(grads[2], dv_ref)))])
@@ -109,12 +109,10 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
     return result
 
 
-def _parse(config: str):
-    # "BLOCK_M: 32, BLOCK_N: 64, num_warps: 4, num_ctas: 1, num_stages: 4, ..." -> (32, 64, 4, 4)
-    if not config or config == "None":
-        return None
-    fields = dict(part.split(": ") for part in config.split(", "))
-    return tuple(int(fields[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+def _tuned(kernel):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) an autotuner chose, None if it has not run."""
+    c = getattr(kernel, "best_config", None)
+    return None if c is None else (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
 
 
 def _best(rows, max_err: float = 2e-2):
