@@ -344,7 +344,7 @@ def run_longctx(shape, warmup, steps, flops_token, checkpoint_every=(1,)):
     fits = lambda rows: [r for r in rows if "tokens_per_s" in r]  # noqa: E731
     out = {"shape": "longctx", **shape, "rows": [*refs, *ours, plain]}
     if fits(refs):
-        first = refs[0] if "tokens_per_s" in refs[0] else fits(refs)[0]
+        first = fits(refs)[0]
         _compare(first, [r for r in out["rows"] if r is not first])
         best_ref = max(fits(refs), key=lambda r: r["tokens_per_s"])
         if fits(ours):
