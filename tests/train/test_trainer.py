@@ -309,8 +309,9 @@ def _reference_grads(cfg):
 def test_activation_checkpointing_every_kth_block(cfg, tmp_path, every, checkpointed):
     tc = replace(cfg.trainer, activation_checkpointing=True, activation_checkpointing_every=every)
     trainer = trainer_mod.Trainer(replace(cfg, trainer=tc), tmp_path / "run", logger=_Quiet())
-    blocks = trainer.raw_model.layers
-    assert ["_scratchlm_forward_before_checkpointing" in b.__dict__ for b in blocks] == checkpointed
+    from scratchlm.train.activation_checkpoint import _ORIGINAL_FORWARD
+
+    assert [_ORIGINAL_FORWARD in b.__dict__ for b in trainer.raw_model.layers] == checkpointed
     with pytest.raises(UserError, match="activation_checkpointing_every"):
         load_config(TrainConfig, None, ["--trainer.activation_checkpointing_every=0"])
 

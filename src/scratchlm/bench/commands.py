@@ -219,13 +219,14 @@ class _TrunkProxy:
 def _out_of_memory_message(model: torch.nn.Module, mode: str, B: int, T: int, device: torch.device) -> str:
     """What to try when `mode` ran out of memory: smaller activations, unless the weights (and,
     for a training step, their gradients and AdamW's two moments) alone exceed the device."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
     state = weights * (4 if mode == "train_step" else 2 if mode == "forward_backward" else 1)
     total = torch.cuda.get_device_properties(device).total_memory
     what = {"train_step": "weights, gradients and AdamW state", "forward_backward": "weights and gradients",
             "forward": "weights"}[mode]
     head = (f"out of GPU memory in {mode} with batch {B} x context {T} "
-            f"({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)")
+            f"({sum(p.numel() for p in params) / 1e6:.0f}M parameters)")
     if state > total:
         return (f"{head}: the {what} alone need {state / 2**30:.1f} GiB, more than the device's "
                 f"{total / 2**30:.1f} GiB; use a smaller model or shard it over GPUs (--parallel.strategy=fsdp in train)")
