@@ -28,7 +28,7 @@ def test_preset_loads_and_round_trips(name, tmp_path):
 def test_preset_shapes():
     shapes = {  # d_model, d_ff, layers, heads
         "gpt2-small": (768, 3072, 12, 12), "gpt2-medium": (1024, 4096, 24, 16),
-        "gpt2-large": (1280, 5120, 36, 20), "gpt2-xl": (2560, 10240, 32, 32),
+        "gpt2-large": (1280, 5120, 36, 20), "gpt2-xl": (1600, 6400, 48, 25),
         "tinystories-17m": (512, 1344, 4, 16),
     }
     for name, shape in shapes.items():
@@ -46,3 +46,14 @@ def test_small_presets_build_a_model_of_the_accounted_size():
         cfg = load_config(TrainConfig, name).model
         model = build_model(cfg, device="meta")
         assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "tiny-cpu"])
+def test_cpu_presets_train_in_minutes(name):
+    # Two CPU cores ran the 4-layer d_model-256 preset at about 70 GFLOP/s (2,000 steps in 68 min):
+    # 15 TFLOP of training is about 3.5 minutes at that rate.
+    from scratchlm.model.accounting import forward_flops
+
+    cfg = load_config(TrainConfig, name)
+    train_flops = 3 * forward_flops(cfg.model)["total"] * cfg.trainer.batch_size * cfg.trainer.max_steps
+    assert train_flops <= 15e12, f"{name}: {train_flops / 1e12:.1f} TFLOP of training"
