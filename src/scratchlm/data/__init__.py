@@ -2,6 +2,6 @@
 
 Modules: ``batch`` (``open_tokens``, ``get_batch``, ``BatchSampler``, ``iterate_eval_batches``;
 imports torch), ``registry`` and ``download`` (standard library only), ``config``
-(``DataConfig``) and ``commands`` (``scratchlm encode`` / ``scratchlm download``). Nothing is
-imported here, so ``scratchlm download`` starts without torch.
+(``DataConfig``); ``scratchlm encode`` / ``scratchlm download`` live in ``scratchlm.cli.data``.
+Nothing is imported here, so ``scratchlm download`` starts without torch.
 """

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from scratchlm.errors import UserError
-from scratchlm.train import quickstart as qs
+from scratchlm.cli import quickstart as qs
 from scratchlm.train.metrics import read_metrics
 
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
