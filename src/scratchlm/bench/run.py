@@ -12,8 +12,9 @@ the measured bf16 matmul rate on that machine (753 TFLOP/s).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ def _loss_fn(model, fused: bool) -> Callable[[torch.Tensor, torch.Tensor], torch
     return loss
 
 
-def run_bench(options: BenchOptions, overrides: list[str] = ()) -> dict[str, Any]:
+def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Build the model from `options` (plus ``--model.*`` overrides), time the requested modes,
     return a results dict: the run's description and, under "modes", one summary per mode."""
     device, precision = _device_and_precision(options)
