@@ -20,10 +20,11 @@ ROOT = SRC / "scratchlm"
 
 # (package the rule applies to, forbidden module prefixes, why)
 RULES: list[tuple[str, tuple[str, ...], str]] = [
-    ("scratchlm.model", ("scratchlm.train", "scratchlm.parallel", "scratchlm.tokenizer", "scratchlm.cli"),
+    ("scratchlm.model", ("scratchlm.train", "scratchlm.parallel", "scratchlm.tokenizer", "scratchlm.cli",
+                         "torch.distributed"),
      "the model is plain: parallelism, training and tokenization wrap it from outside"),
     ("scratchlm.tokenizer", ("torch", "scratchlm.model"),
-     "the tokenizer is pure Python and imports no torch"),
+     "the tokenizer is pure Python: no torch, no model"),
     ("scratchlm.kernels", ("scratchlm.train",),
      "kernels are building blocks of the model, not of the training loop"),
     ("scratchlm.infer", ("scratchlm.tokenizer",),
@@ -148,6 +149,7 @@ def _write_module(tmp_path: Path, module: str, source: str) -> Path:
     ("def f():\n    import torch.nn.functional as F\n", "scratchlm.tokenizer.io", "imports torch.nn.functional"),
     ("from scratchlm.train.trainer import Trainer\n", "scratchlm.model.hf", "imports scratchlm.train.trainer"),
     ("from ..train import checkpoint\n", "scratchlm.model.hf", "imports scratchlm.train"),
+    ("from torch import distributed as dist\n", "scratchlm.model.layers", "imports torch.distributed"),
     ("from scratchlm import cli\n", "scratchlm.data.download", "imports scratchlm.cli"),
     ("def f():\n    from scratchlm.tokenizer.tokenizer import Tokenizer\n", "scratchlm.infer.generate",
      "imports scratchlm.tokenizer"),
