@@ -40,7 +40,7 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-from scratchlm.bench.commands import model_flops_per_token
+from scratchlm.bench.run import model_flops_per_token
 from scratchlm.bench.harness import H200_BF16_DENSE_PEAK, H200_BF16_MEASURED_MATMUL, benchmark
 
 SHAPES = {

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from scratchlm.config import ConfigError
-from scratchlm.errors import UserError
 from scratchlm.model.accounting import (
     account,
     activation_bytes_per_sequence,
@@ -20,7 +17,6 @@ from scratchlm.model.accounting import (
     param_count,
     train_memory_bytes,
 )
-from scratchlm.model.commands import account_command
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.functional import cross_entropy
 from scratchlm.model.moe import moe_options
@@ -173,49 +169,3 @@ def test_report_keys_and_consistency():
     assert set(report["train_memory_bytes"]) == {"static", "activations_per_sequence"}
     assert sum(report["forward_flops_breakdown"].values()) == report["forward_flops"]
     assert report["train_flops_per_sequence"] == 3 * report["forward_flops"]
-
-
-def _gpt2_xl_args() -> list[str]:
-    return [f"--model.{k}={v}" for k, v in GPT2_XL.items()]
-
-
-def test_account_command_json(capsys):
-    assert account_command([*_gpt2_xl_args(), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    for key in ("params", "forward_flops", "forward_flops_breakdown", "train_memory_bytes"):
-        assert key in out
-    assert out["params"] == 2_127_057_600
-    assert out["forward_flops"] == 4_513_336_524_800
-    assert set(out["forward_flops_breakdown"]) == {"qkvo", "attention", "ffn", "lm_head"}
-    assert out["train_memory_bytes"]["static"] == 34_032_921_600
-
-
-def test_account_command_table(capsys):
-    assert account_command([*_gpt2_xl_args(), "--memory-gib=80"]) == 0
-    out = capsys.readouterr().out
-    assert "2,127,057,600" in out and "4,513,336,524,800" in out and "max batch in 80 GiB" in out
-
-
-def test_account_command_presets(tmp_path, capsys):
-    full = tmp_path / "train.toml"
-    full.write_text("[model]\nd_model = 128\nnum_heads = 4\n[trainer]\nmax_steps = 3\n")
-    bare = tmp_path / "model.toml"
-    bare.write_text("d_model = 128\nnum_heads = 4\n")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.toml").write_text(full.read_text())
-    expected = param_count(ModelConfig(d_model=128, num_heads=4, num_layers=6))
-    for source in (full, bare, run):
-        assert account_command([str(source), "--model.num_layers=6", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["params"] == expected
-
-
-def test_account_command_errors(tmp_path):
-    with pytest.raises(ConfigError):
-        account_command(["--model.no_such_key=1"])
-    with pytest.raises(UserError):
-        account_command(["--trainer.max_steps=1"])
-    with pytest.raises(UserError):
-        account_command([str(tmp_path / "missing.toml")])
-    with pytest.raises(UserError):
-        account_command([str(tmp_path)])  # a directory without config.toml

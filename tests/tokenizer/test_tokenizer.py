@@ -141,7 +141,7 @@ def test_bad_vocabularies_are_user_errors():
 
 def test_importing_the_tokenizer_does_not_import_torch():
     code = ("import sys; import scratchlm.tokenizer.tokenizer, scratchlm.tokenizer.train, "
-            "scratchlm.tokenizer.io, scratchlm.tokenizer.commands, scratchlm.tokenizer.stats; import scratchlm; scratchlm.Tokenizer; "
+            "scratchlm.tokenizer.io, scratchlm.cli.tokenizer, scratchlm.tokenizer.stats; import scratchlm; scratchlm.Tokenizer; "
             "assert 'torch' not in sys.modules, 'torch imported'; assert 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

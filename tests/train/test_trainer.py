@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from scratchlm.cli.train import run_training
 from scratchlm.config import load_config
 from scratchlm.errors import UserError
 from scratchlm.train import trainer as trainer_mod
-from scratchlm.train.commands import eval_command, run_training, train_command
 from scratchlm.train.config import TrainConfig, TrainerConfig
 from scratchlm.train.data_feed import TrainData
 from scratchlm.train.metrics import read_metrics
@@ -228,24 +228,6 @@ def test_bad_inputs_are_user_errors(cfg, tmp_path):
         run_training(_with_out(small_vocab, tmp_path / "v"))
     with pytest.raises(ValueError, match="divisible"):
         TrainerConfig(batch_size=5, grad_accum_steps=2)
-
-
-def test_train_and_eval_commands(cfg, tmp_path, capsys):
-    from scratchlm.config import save_config
-
-    save_config(cfg, tmp_path / "c.toml")
-    out = tmp_path / "cli"
-    assert train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}", "--trainer.max_steps=4"]) == 0
-    assert [s for s, _ in _losses(out)] == [1, 2, 3, 4]
-    with pytest.raises(UserError, match="--resume"):
-        train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}"])
-    assert train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={out}", "--resume"]) == 0
-    assert [s for s, _ in _losses(out)][-1] == 12
-    capsys.readouterr()
-    assert eval_command([str(out), "--data", cfg.data.val_path, "--batches", "2", "--batch-size", "4", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["tokens"] == 2 * 4 * 16 and result["checkpoint"].endswith("step_000012")
-    assert result["val_loss"] == pytest.approx(_losses(out, "eval", "val_loss")[-1][1], rel=1e-5)
 
 
 def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):

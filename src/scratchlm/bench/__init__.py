@@ -1,4 +1,4 @@
-"""Benchmark harness, the `scratchlm bench` command, profiling and memory tools."""
+"""Benchmark harness, model benchmarks (`run_bench`, behind `scratchlm bench`), profiling and memory tools."""
 
 from scratchlm.bench.harness import BenchmarkResult, benchmark
 

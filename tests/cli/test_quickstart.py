@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from scratchlm.cli import quickstart as qs
 from scratchlm.errors import UserError
-from scratchlm.train import quickstart as qs
 from scratchlm.train.metrics import read_metrics
 
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
@@ -32,32 +32,6 @@ def test_quickstart_pipeline_end_to_end_with_a_tiny_budget(tmp_path, capsys):
 
     model, cfg, tokenizer = load_trained_model(out)
     assert cfg.d_model == 32 and tokenizer is not None and tokenizer.vocab_size == 300
-
-
-def test_stdlib_corpus_is_deterministic_and_split_by_name():
-    docs = list(qs.stdlib_documents())
-    assert len(docs) > 100 and [name for name, _ in docs] == [name for name, _ in qs.stdlib_documents()]
-    train, valid = qs.split_documents(docs, 200_000)
-    assert 180_000 < len(train.encode()) <= 200_000 and 0 < len(valid.encode()) <= 20_000
-    held_out = {name for name, _ in docs if qs._hash(name) % 10 == 0}
-    texts = {text for name, text in docs if name in held_out}
-    assert not any(d in texts for d in train.split(qs.EOT))
-
-
-def test_user_text_file_and_dataset_names(tmp_path):
-    lines = "".join(f"line {i} of a small user corpus\n" for i in range(2000))
-    (tmp_path / "mine.txt").write_text(lines)
-    what, train, valid = qs.build_corpus(str(tmp_path / "mine.txt"), tmp_path, 30_000)
-    assert what.endswith("mine.txt") and train + valid == lines[: len(train) + len(valid)]
-    assert len(valid) > 0 and train.endswith("\n")
-    with pytest.raises(UserError, match="scratchlm download tinystories-train"):
-        qs.build_corpus("tinystories", tmp_path, 30_000)
-    (tmp_path / "TinyStoriesV2-GPT4-train.txt").write_text(qs.EOT.join(f"Story {i}." for i in range(500)))
-    (tmp_path / "TinyStoriesV2-GPT4-valid.txt").write_text(qs.EOT.join(f"Tale {i}." for i in range(500)))
-    what, train, valid = qs.build_corpus("tinystories", tmp_path, 2000)
-    assert train.startswith("Story 0.") and valid.startswith("Tale 0.") and len(train) <= 2000
-    with pytest.raises(UserError, match="neither a text file nor a dataset"):
-        qs.build_corpus("no-such-thing", tmp_path, 1000)
 
 
 def test_refuses_to_replace_a_directory_that_is_not_a_quickstart(tmp_path):

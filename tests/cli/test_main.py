@@ -50,3 +50,14 @@ def test_import_is_light_and_python_m_works():
     subprocess.run([sys.executable, "-c", code], check=True)
     out = subprocess.run([sys.executable, "-m", "scratchlm", "--help"], capture_output=True, text=True, check=True)
     assert "usage: scratchlm" in out.stdout
+
+
+def test_the_command_table_and_light_commands_import_no_torch():
+    """`scratchlm --help` and the tokenizer, data and account commands start without torch."""
+    code = ("import sys, scratchlm.cli, scratchlm.cli.tokenizer; from scratchlm.cli import _resolve; "
+            "[_resolve(n) for n in ('train-bpe', 'tokenizer-stats', 'download', 'encode', 'account')]; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run([sys.executable, "-c", "import sys, scratchlm.cli; scratchlm.cli.main(['--help']); "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-1] == "False"

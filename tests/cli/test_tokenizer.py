@@ -6,7 +6,7 @@ import pytest
 
 from scratchlm.cli import main
 from scratchlm.errors import UserError
-from scratchlm.tokenizer.commands import tokenizer_stats_command, train_bpe_command
+from scratchlm.cli.tokenizer import tokenizer_stats_command, train_bpe_command
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 

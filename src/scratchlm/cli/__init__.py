@@ -1,9 +1,13 @@
 """The ``scratchlm`` console script.
 
-Each subcommand lives with the package it drives; this module only maps names to
-``module:function`` and imports the one that runs, so ``scratchlm --help`` starts instantly
-and a tokenizer command never imports torch. Command functions take ``argv`` (the words after
-the command name) and return an exit code.
+All command-line code lives in this package, one module per command group (``cli/train.py``
+holds ``train`` and ``eval``, ``cli/tokenizer.py`` holds ``train-bpe`` and
+``tokenizer-stats``, ...): argument parsing, printing and the orchestration of library calls.
+The library packages hold no command-line code and never import this package.
+
+This module only maps names to ``module:function`` and imports the one that runs, so
+``scratchlm --help`` starts instantly and a tokenizer command never imports torch. Command
+functions take ``argv`` (the words after the command name) and return an exit code.
 """
 
 from __future__ import annotations
@@ -16,35 +20,35 @@ from scratchlm.errors import UserError
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "quickstart": ("scratchlm.train.quickstart", "quickstart_command",
+    "quickstart": ("scratchlm.cli.quickstart", "quickstart_command",
                    "run the whole pipeline offline on CPU in a few minutes"),
-    "download": ("scratchlm.data.commands", "download_command",
+    "download": ("scratchlm.cli.data", "download_command",
                  "download a registered dataset (with resume and checksum)"),
-    "train-bpe": ("scratchlm.tokenizer.commands", "train_bpe_command",
+    "train-bpe": ("scratchlm.cli.tokenizer", "train_bpe_command",
                   "train a byte-level BPE tokenizer on a text file"),
-    "tokenizer-stats": ("scratchlm.tokenizer.commands", "tokenizer_stats_command",
+    "tokenizer-stats": ("scratchlm.cli.tokenizer", "tokenizer_stats_command",
                         "compression and vocabulary statistics of a tokenizer on a sample"),
-    "encode": ("scratchlm.data.commands", "encode_command",
+    "encode": ("scratchlm.cli.data", "encode_command",
                "encode a text corpus to a flat uint16 token file, on all cores"),
-    "train": ("scratchlm.train.commands", "train_command",
+    "train": ("scratchlm.cli.train", "train_command",
               "train a Transformer LM from a TOML config"),
-    "eval": ("scratchlm.train.commands", "eval_command",
+    "eval": ("scratchlm.cli.train", "eval_command",
              "validation loss of a trained model on a token file"),
-    "generate": ("scratchlm.infer.commands", "generate_command",
+    "generate": ("scratchlm.cli.infer", "generate_command",
                  "sample text from a trained model (KV cache, top-k, top-p)"),
-    "account": ("scratchlm.model.commands", "account_command",
+    "account": ("scratchlm.cli.model", "account_command",
                 "parameters, FLOPs and training memory of a model shape"),
-    "export": ("scratchlm.model.commands", "export_command",
+    "export": ("scratchlm.cli.model", "export_command",
                "export a trained model as a Hugging Face Llama directory"),
-    "bench": ("scratchlm.bench.commands", "bench_command",
+    "bench": ("scratchlm.cli.bench", "bench_command",
               "time forward, backward and training steps of a model shape"),
-    "sft": ("scratchlm.align.commands", "sft_command",
+    "sft": ("scratchlm.cli.align", "sft_command",
             "supervised fine-tuning on prompt/response pairs"),
-    "expert-iteration": ("scratchlm.align.commands", "expert_iteration_command",
+    "expert-iteration": ("scratchlm.cli.align", "expert_iteration_command",
                          "expert iteration with verifiable rewards"),
-    "grpo": ("scratchlm.align.commands", "grpo_command",
+    "grpo": ("scratchlm.cli.align", "grpo_command",
              "GRPO with verifiable rewards"),
-    "eval-math": ("scratchlm.align.commands", "eval_math_command",
+    "eval-math": ("scratchlm.cli.align", "eval_math_command",
                   "evaluate a model on GSM8K / MATH with answer checking"),
 }
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from scratchlm.errors import UserError
-from scratchlm.infer.commands import generate_command
+from scratchlm.cli.infer import generate_command
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.transformer import build_model
 

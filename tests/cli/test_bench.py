@@ -1,8 +1,10 @@
+"""`scratchlm bench` on CPU: every mode, the options, JSON and table output, bad input."""
+
 import json
 
 import pytest
 
-from scratchlm.bench.commands import bench_command
+from scratchlm.cli.bench import bench_command
 from scratchlm.errors import UserError
 
 TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "16", "--warmup", "1", "--steps", "2",
@@ -42,24 +44,3 @@ def test_bad_input_is_a_user_error():
         bench_command([*TINY, "--optim.lr=1"])
     with pytest.raises(UserError):
         bench_command([*TINY, "--steps", "0"])
-
-
-@pytest.mark.parametrize("mode, total_mib, weights_fit", [
-    ("train_step", 8, False),  # 4 MiB of weights, 16 MiB with gradients and AdamW's moments
-    ("train_step", 64, True),
-    ("forward", 8, True),  # the weights alone: 4 MiB
-])
-def test_out_of_memory_message_says_whether_the_weights_fit(monkeypatch, mode, total_mib, weights_fit):
-    import types
-
-    import torch
-
-    from scratchlm.bench.commands import _out_of_memory_message
-
-    model = torch.nn.Linear(1024, 1024, bias=False)  # 2**20 float32 weights
-    props = types.SimpleNamespace(total_memory=total_mib * 2**20)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    message = _out_of_memory_message(model, mode, 4, 512, torch.device("cuda"))
-    assert message.startswith(f"out of GPU memory in {mode} with batch 4 x context 512 (1M parameters)")
-    assert ("--activation-checkpointing 1" in message) == weights_fit
-    assert ("alone need" in message) == (not weights_fit)

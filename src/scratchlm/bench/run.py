@@ -1,0 +1,273 @@
+"""Time forward, forward+backward and full training steps of a model shape.
+
+`run_bench` builds the model, loss and optimizer that `BenchOptions` describe, times each
+requested mode with `scratchlm.bench.harness.benchmark` and returns the results as a dict
+(the `scratchlm bench` command prints it as a table or JSON).
+
+Reports mean ± std per mode, peak memory, tokens/s and MFU. MFU counts the matmul FLOPs of
+the model (2 per weight per token forward, causal attention scores and values) times 3 for a
+training step, against the H200's datasheet dense bf16 rate (989 TFLOP/s), and also against
+the measured bf16 matmul rate on that machine (753 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark, peak_flops
+from scratchlm.bench.profile import add_layer_nvtx_ranges, memory_snapshot, nvtx_range, profile_table
+from scratchlm.errors import UserError
+
+__all__ = ["BenchOptions", "MODES", "PRECISIONS", "SIZES", "model_flops_per_token", "run_bench"]
+
+# GPT-2-like shapes (d_model, d_ff, num_layers, num_heads) as Llama-style models.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=64, d_ff=128, num_layers=2, num_heads=4),
+    "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": dict(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
+}
+MODES = ("forward", "forward_backward", "train_step")
+PRECISIONS = ("fp32", "bf16_autocast", "bf16")
+
+
+@dataclass
+class BenchOptions:
+    """What to build and time; the fields are the flags of `scratchlm bench`."""
+
+    config: str | None = None  # TOML preset or preset name; its [model] section is used
+    size: str | None = None  # a key of SIZES (default: small without a config)
+    mode: str = "all"  # one of MODES, or "all"
+    warmup: int = 5  # untimed calls before the timed ones
+    steps: int = 10  # timed calls per mode
+    batch_size: int = 4
+    context_length: int = 512
+    vocab_size: int | None = None  # overrides model.vocab_size (default 10000 without a config)
+    precision: str | None = None  # one of PRECISIONS (default: bf16_autocast on CUDA, fp32 on CPU)
+    compile: bool = False  # torch.compile the model (and its loss)
+    attention_backend: str | None = None  # overrides model.attention_backend
+    activation_checkpointing: int = 0  # checkpoint every N-th block (0: off)
+    fused_lm_head: bool = False  # chunked fused linear + cross-entropy loss
+    optimizer: str = "scratchlm"  # scratchlm, scratchlm_fused or torch_fused
+    device: str | None = None  # default: cuda when available, else cpu
+    profile: bool = False  # NVTX ranges and a torch.profiler table of the last mode
+    memory_snapshot: str | None = None  # file for a CUDA allocator snapshot of one train step
+    seed: int = 0
+
+
+def _model_config(options: BenchOptions, overrides: list[str]):
+    from scratchlm.config import load_config
+    from scratchlm.train.config import TrainConfig
+
+    pre: list[str] = []
+    size = options.size or (None if options.config else "small")
+    if size:
+        pre += [f"--model.{k}={v}" for k, v in SIZES[size].items()]
+    if options.vocab_size:
+        pre.append(f"--model.vocab_size={options.vocab_size}")
+    elif not options.config:
+        pre.append("--model.vocab_size=10000")
+    pre.append(f"--model.context_length={options.context_length}")
+    if options.attention_backend:
+        pre.append(f"--model.attention_backend={options.attention_backend}")
+    for text in overrides:
+        if not text.startswith("--model."):
+            raise UserError(f"scratchlm bench takes only --model.* overrides, got {text}")
+    try:
+        return load_config(TrainConfig, options.config, pre + overrides).model
+    except ValueError as exc:  # ModelConfig's own validation
+        raise UserError(str(exc)) from None
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Forward matmul FLOPs per token: 2 per weight of every matrix except the embedding
+    table (a lookup), plus causal attention (q·k and p·v: 2·T·d_model per layer and token)."""
+    emb = getattr(model, "token_embeddings", None)
+    skip = {id(emb.weight)} if emb is not None and not getattr(model, "tie_embeddings", False) else set()
+    matrix_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+    layers = len(getattr(model, "layers", []))
+    d_model = getattr(model, "d_model", 0)
+    return 2.0 * matrix_params + 2.0 * layers * seq_len * d_model
+
+
+def _loss_fn(model, fused: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if fused:
+        from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+        def loss(x, y):
+            return fused_linear_cross_entropy(model.head_inputs(x), model.lm_head.weight, y)
+    else:
+        def loss(x, y):
+            logits = model(x)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    return loss
+
+
+def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Build the model from `options` (plus ``--model.*`` overrides), time the requested modes,
+    return a results dict: the run's description and, under "modes", one summary per mode."""
+    device, precision = _device_and_precision(options)
+    cfg = _model_config(options, list(overrides))
+    model = _build_model(cfg, options, device, precision)
+    runner, loss_fn = _forward_and_loss(model, options)
+    optimizer = _build_optimizer(model, options, device)
+    B, T = options.batch_size, options.context_length
+    x = torch.randint(0, cfg.vocab_size, (B, T), device=device)
+    y = torch.randint(0, cfg.vocab_size, (B, T), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16_autocast")
+    fns = _step_functions(runner, model, loss_fn, optimizer, x, y, autocast)
+    modes = MODES if options.mode == "all" else (options.mode,)
+    flops_token = model_flops_per_token(model, T)
+    results = _describe(cfg, model, options, device, precision, flops_token)
+    for mode in modes:
+        try:
+            stats = benchmark(fns[mode], warmup=options.warmup, steps=options.steps, device=device)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise UserError(_out_of_memory_message(model, mode, B, T, device)) from None
+        results["modes"][mode] = _summarise(stats, mode, B * T, flops_token, precision, device)
+    if options.memory_snapshot:
+        with memory_snapshot(options.memory_snapshot):
+            fns["train_step"]()
+        results["memory_snapshot"] = options.memory_snapshot
+    if options.profile:
+        results["profile"] = profile_table(fns[modes[-1]], steps=2)
+    return results
+
+
+def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
+    """The device and precision to run at, after checking the sizes asked for."""
+    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda given but no CUDA device is available")
+    precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
+    if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
+        raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")
+    return device, precision
+
+
+def _build_model(cfg: Any, options: BenchOptions, device: torch.device, precision: str) -> torch.nn.Module:
+    """The seeded model in the precision's weight dtype, checkpointed and NVTX-ranged as asked."""
+    from scratchlm.model.transformer import build_model
+
+    torch.manual_seed(options.seed)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = build_model(cfg, device=device, dtype=dtype)
+    if options.activation_checkpointing:
+        from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, every=options.activation_checkpointing)
+    if options.profile:
+        add_layer_nvtx_ranges(model)
+    return model
+
+
+def _forward_and_loss(model: torch.nn.Module, options: BenchOptions):
+    """(the module a forward pass runs, the loss function of a training step), compiled as asked."""
+    runner = torch.compile(model) if options.compile else model
+    if options.fused_lm_head:
+        # compiled, the trunk only: the chunked loss loop stays eager (it is a few large matmuls)
+        trunk = _TrunkProxy(model, torch.compile(model.head_inputs)) if options.compile else model
+        loss_fn = _loss_fn(trunk, True)
+    elif options.compile:
+        # the model and the float32 cross-entropy in one compiled graph, as a compiled training
+        # script computes its loss inside the model's forward (no eager pass over the logits)
+        loss_fn = torch.compile(_loss_fn(model, False))
+    else:
+        loss_fn = _loss_fn(model, False)
+    return runner, loss_fn
+
+
+def _build_optimizer(model: torch.nn.Module, options: BenchOptions, device: torch.device) -> torch.optim.Optimizer:
+    if options.optimizer == "torch_fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    from scratchlm.optim.adamw import AdamW
+
+    return AdamW(model.parameters(), lr=1e-4, fused=options.optimizer == "scratchlm_fused" or None)
+
+
+def _step_functions(runner, model, loss_fn, optimizer, x, y, autocast) -> dict[str, Callable[[], None]]:
+    """One callable per mode in MODES, each a full step of that mode on the batch (x, y)."""
+
+    def forward() -> None:
+        with torch.no_grad(), autocast, nvtx_range("forward"):
+            runner(x)
+
+    def forward_backward() -> None:
+        with autocast, nvtx_range("forward"):
+            loss = loss_fn(x, y)
+        with nvtx_range("backward"):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def train_step() -> None:
+        with autocast, nvtx_range("forward"):
+            loss = loss_fn(x, y)
+        with nvtx_range("backward"):
+            loss.backward()
+        with nvtx_range("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return {"forward": forward, "forward_backward": forward_backward, "train_step": train_step}
+
+
+def _describe(cfg: Any, model: torch.nn.Module, options: BenchOptions, device: torch.device, precision: str,
+              flops_token: float) -> dict[str, Any]:
+    """The results dict before timing: what ran, on what, with an empty "modes"."""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": {k: getattr(cfg, k) for k in ("vocab_size", "context_length", "d_model", "num_layers",
+                                               "num_heads", "d_ff", "attention_backend")},
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch_size": options.batch_size, "context_length": options.context_length, "precision": precision,
+        "compile": options.compile, "activation_checkpointing": options.activation_checkpointing,
+        "fused_lm_head": options.fused_lm_head, "optimizer": options.optimizer,
+        "flops_per_token_forward": flops_token, "modes": {},
+    }
+
+
+class _TrunkProxy:
+    """Exposes a compiled `head_inputs` with the model's `lm_head` for the fused loss."""
+
+    def __init__(self, model, head_inputs):
+        self.head_inputs = head_inputs
+        self.lm_head = model.lm_head
+
+
+def _out_of_memory_message(model: torch.nn.Module, mode: str, B: int, T: int, device: torch.device) -> str:
+    """What to try when `mode` ran out of memory: smaller activations, unless the weights (and,
+    for a training step, their gradients and AdamW's two moments) alone exceed the device."""
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    state = weights * (4 if mode == "train_step" else 2 if mode == "forward_backward" else 1)
+    total = torch.cuda.get_device_properties(device).total_memory
+    what = {"train_step": "weights, gradients and AdamW state", "forward_backward": "weights and gradients",
+            "forward": "weights"}[mode]
+    head = (f"out of GPU memory in {mode} with batch {B} x context {T} "
+            f"({sum(p.numel() for p in params) / 1e6:.0f}M parameters)")
+    if state > total:
+        return (f"{head}: the {what} alone need {state / 2**30:.1f} GiB, more than the device's "
+                f"{total / 2**30:.1f} GiB; use a smaller model or shard it over GPUs (--parallel.strategy=fsdp in train)")
+    return (f"{head}; try a smaller --batch-size/--context-length, --activation-checkpointing 1 "
+            "or --fused-lm-head")
+
+
+def _summarise(stats: BenchmarkResult, mode: str, tokens: int, flops_token: float, precision: str,
+               device: torch.device) -> dict[str, Any]:
+    out = stats.to_dict()
+    out["tokens_per_s"] = tokens / stats.mean
+    factor = 1.0 if mode == "forward" else 3.0
+    achieved = factor * flops_token * tokens / stats.mean
+    out["tflops"] = achieved / 1e12
+    if device.type == "cuda":
+        out["mfu"] = achieved / peak_flops(precision)
+        out["mfu_vs_measured_matmul"] = achieved / H200_BF16_MEASURED_MATMUL
+    return out

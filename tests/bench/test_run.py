@@ -1,0 +1,45 @@
+"""`scratchlm.bench.run`: the library side of `scratchlm bench` (command tests: tests/cli/test_bench.py)."""
+
+import pytest
+
+from scratchlm.bench.run import MODES, BenchOptions, run_bench
+from scratchlm.errors import UserError
+
+TINY = dict(size="tiny", batch_size=2, context_length=16, warmup=1, steps=2, device="cpu")
+
+
+def test_run_bench_times_the_modes_asked_for():
+    results = run_bench(BenchOptions(**TINY, mode="forward"), ["--model.vocab_size=128"])
+    assert list(results["modes"]) == ["forward"] and results["modes"]["forward"]["tokens_per_s"] > 0
+    assert results["model"]["vocab_size"] == 128 and results["model"]["d_model"] == 64
+    assert results["batch_size"] == 2 and results["context_length"] == 16 and results["precision"] == "fp32"
+    results = run_bench(BenchOptions(**TINY, vocab_size=96))
+    assert tuple(results["modes"]) == MODES and results["model"]["vocab_size"] == 96
+
+
+def test_run_bench_rejects_bad_options():
+    with pytest.raises(UserError, match="--steps"):
+        run_bench(BenchOptions(**{**TINY, "steps": 0}))
+    with pytest.raises(UserError, match="only --model"):
+        run_bench(BenchOptions(**TINY), ["--optim.lr=1"])
+
+
+@pytest.mark.parametrize("mode, total_mib, weights_fit", [
+    ("train_step", 8, False),  # 4 MiB of weights, 16 MiB with gradients and AdamW's moments
+    ("train_step", 64, True),
+    ("forward", 8, True),  # the weights alone: 4 MiB
+])
+def test_out_of_memory_message_says_whether_the_weights_fit(monkeypatch, mode, total_mib, weights_fit):
+    import types
+
+    import torch
+
+    from scratchlm.bench.run import _out_of_memory_message
+
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 2**20 float32 weights
+    props = types.SimpleNamespace(total_memory=total_mib * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    message = _out_of_memory_message(model, mode, 4, 512, torch.device("cuda"))
+    assert message.startswith(f"out of GPU memory in {mode} with batch 4 x context 512 (1M parameters)")
+    assert ("--activation-checkpointing 1" in message) == weights_fit
+    assert ("alone need" in message) == (not weights_fit)

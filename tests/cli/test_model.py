@@ -1,0 +1,62 @@
+"""`scratchlm account` against hand-checked GPT-2-XL figures, its presets and its errors
+(`scratchlm export` is tested with the exporter, in tests/model/test_hf.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scratchlm.cli.model import account_command
+from scratchlm.config import ConfigError
+from scratchlm.errors import UserError
+from scratchlm.model.accounting import param_count
+from scratchlm.model.config import ModelConfig
+
+GPT2_XL = dict(vocab_size=50257, context_length=1024, d_model=1600, num_layers=48, num_heads=25, d_ff=6400)
+
+
+def _gpt2_xl_args() -> list[str]:
+    return [f"--model.{k}={v}" for k, v in GPT2_XL.items()]
+
+
+def test_account_command_json(capsys):
+    assert account_command([*_gpt2_xl_args(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("params", "forward_flops", "forward_flops_breakdown", "train_memory_bytes"):
+        assert key in out
+    assert out["params"] == 2_127_057_600
+    assert out["forward_flops"] == 4_513_336_524_800
+    assert set(out["forward_flops_breakdown"]) == {"qkvo", "attention", "ffn", "lm_head"}
+    assert out["train_memory_bytes"]["static"] == 34_032_921_600
+
+
+def test_account_command_table(capsys):
+    assert account_command([*_gpt2_xl_args(), "--memory-gib=80"]) == 0
+    out = capsys.readouterr().out
+    assert "2,127,057,600" in out and "4,513,336,524,800" in out and "max batch in 80 GiB" in out
+
+
+def test_account_command_presets(tmp_path, capsys):
+    full = tmp_path / "train.toml"
+    full.write_text("[model]\nd_model = 128\nnum_heads = 4\n[trainer]\nmax_steps = 3\n")
+    bare = tmp_path / "model.toml"
+    bare.write_text("d_model = 128\nnum_heads = 4\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(full.read_text())
+    expected = param_count(ModelConfig(d_model=128, num_heads=4, num_layers=6))
+    for source in (full, bare, run):
+        assert account_command([str(source), "--model.num_layers=6", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["params"] == expected
+
+
+def test_account_command_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        account_command(["--model.no_such_key=1"])
+    with pytest.raises(UserError):
+        account_command(["--trainer.max_steps=1"])
+    with pytest.raises(UserError):
+        account_command([str(tmp_path / "missing.toml")])
+    with pytest.raises(UserError):
+        account_command([str(tmp_path)])  # a directory without config.toml

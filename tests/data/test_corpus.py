@@ -1,0 +1,42 @@
+"""The small-run corpus: the standard library sources, a user's text file, a downloaded dataset."""
+
+import pytest
+
+from scratchlm.data import corpus
+from scratchlm.errors import UserError
+
+
+def test_stdlib_corpus_is_deterministic_and_split_by_name():
+    docs = list(corpus.stdlib_documents())
+    assert len(docs) > 100 and [name for name, _ in docs] == [name for name, _ in corpus.stdlib_documents()]
+    train, valid = corpus.split_documents(docs, 200_000)
+    assert 180_000 < len(train.encode()) <= 200_000 and 0 < len(valid.encode()) <= 20_000
+    held_out = {name for name, _ in docs if corpus._hash(name) % 10 == 0}
+    texts = {text for name, text in docs if name in held_out}
+    assert not any(d in texts for d in train.split(corpus.EOT))
+
+
+def test_user_text_file_and_dataset_names(tmp_path):
+    lines = "".join(f"line {i} of a small user corpus\n" for i in range(2000))
+    (tmp_path / "mine.txt").write_text(lines)
+    what, train, valid = corpus.build_corpus(str(tmp_path / "mine.txt"), tmp_path, 30_000)
+    assert what.endswith("mine.txt") and train + valid == lines[: len(train) + len(valid)]
+    assert len(valid) > 0 and train.endswith("\n")
+    with pytest.raises(UserError, match="scratchlm download tinystories-train"):
+        corpus.build_corpus("tinystories", tmp_path, 30_000)
+    (tmp_path / "TinyStoriesV2-GPT4-train.txt").write_text(corpus.EOT.join(f"Story {i}." for i in range(500)))
+    (tmp_path / "TinyStoriesV2-GPT4-valid.txt").write_text(corpus.EOT.join(f"Tale {i}." for i in range(500)))
+    what, train, valid = corpus.build_corpus("tinystories", tmp_path, 2000)
+    assert train.startswith("Story 0.") and valid.startswith("Tale 0.") and len(train) <= 2000
+    with pytest.raises(UserError, match="neither a text file nor a dataset"):
+        corpus.build_corpus("no-such-thing", tmp_path, 1000)
+
+
+def test_building_a_corpus_imports_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "mine.txt").write_text("a line of text\n" * 500)
+    code = (f"import sys; from scratchlm.data.corpus import build_corpus; build_corpus({str(tmp_path / 'mine.txt')!r}, "
+            "None, 2000); assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
