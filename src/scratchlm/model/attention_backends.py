@@ -138,4 +138,4 @@ def warn_fallback(backend: str, reason: str) -> None:
     if (backend, reason) in _warned:
         return
     _warned.add((backend, reason))
-    log.warning("attention backend %r does not take %s: those calls attend with 'math' instead", backend, reason)
+    log.warning("attention backend %r cannot take %s; such calls attend with 'math' instead", backend, reason)
