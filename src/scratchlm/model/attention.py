@@ -121,11 +121,11 @@ class MultiHeadSelfAttention(nn.Module):
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)
-        # The flash kernels take q/k/v in the projections' (B, T, H, d) layout (as strided
-        # (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates them there:
-        # an elementwise pass with no transpose, forward and backward. The math path multiplies
-        # q and k as batched matrices, which wants them heads-first in memory: RoPE then writes
-        # them so.
+        # The flash kernels (heads_first False) take q/k/v in the projections' (B, T, H, d) layout
+        # (as strided (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates
+        # them there: an elementwise pass with no transpose, forward and backward. The math path
+        # multiplies q and k as batched matrices, which wants them heads-first in memory: RoPE
+        # then writes them so.
         if backend.heads_first:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
 
