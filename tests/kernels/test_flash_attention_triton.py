@@ -275,9 +275,9 @@ def test_triton_torch_compile_inductor():
 # --- registration: triton_ops that torch.compile traces into ------------------------------------
 
 def _uses_triton_op() -> bool:
-    from scratchlm.kernels.triton_support import USE_TRITON_OP
+    from scratchlm.kernels.triton_support import op_registration
 
-    return USE_TRITON_OP
+    return op_registration() == "triton_op"
 
 
 @needs_triton
@@ -288,7 +288,7 @@ def test_ops_are_triton_ops_that_name_their_kernels():
     from torch._library.triton import get_triton_kernels_for_op
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (Triton interpreter, or SCRATCHLM_FLASH_TRITON_OP=0)")
+        pytest.skip("ops are custom ops here (Triton interpreter, or set_op_registration('custom_op'))")
 
     def names(op):
         return {getattr(getattr(k, "fn", k), "__name__", "") for k in get_triton_kernels_for_op(op)}
@@ -329,7 +329,7 @@ def _traced_by_aot():
     from torch._functorch.aot_autograd import aot_function
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (set_op_registration('custom_op'), or torch without triton_op)")
     graphs = {}
 
     def keep(name):
@@ -421,7 +421,7 @@ def test_compiled_17m_model_has_no_graph_break_and_launches_kernels_from_inducto
     from torch._inductor.utils import run_and_get_code
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (set_op_registration('custom_op'), or torch without triton_op)")
     torch._dynamo.reset()
     model = _model_17m()
     x = torch.randint(0, 10_000, (4, 256), device="cuda")
@@ -458,7 +458,7 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
     from torch._dynamo.utils import counters
 
     if not _uses_triton_op():
-        pytest.skip("ops are custom ops here (SCRATCHLM_FLASH_TRITON_OP=0, or torch without triton_op)")
+        pytest.skip("ops are custom ops here (set_op_registration('custom_op'), or torch without triton_op)")
     torch._dynamo.reset()
     counters.clear()
     model = _model_17m()

@@ -30,8 +30,9 @@ Composition with ``torch.compile``: the launchers are the bodies of two ops,
 has it (>= 2.6, and not under Triton's interpreter) they are registered with
 ``torch.library.triton_op`` and launch every kernel through ``wrap_triton``, so that
 torch.compile traces into them and Inductor launches the kernels itself (one graph, one CUDA
-graph under ``mode="reduce-overhead"``); ``SCRATCHLM_FLASH_TRITON_OP=0`` registers them as
-opaque ``torch.library.custom_op``s with fake kernels instead (see ``triton_support``). On
+graph under ``mode="reduce-overhead"``); ``triton_support.set_op_registration("custom_op")``,
+called before this module is imported, registers them as opaque ``torch.library.custom_op``s
+with fake kernels instead. On
 tensors that Triton cannot run (CPU, or no triton installed) the same
 ops fall back to the tiled PyTorch reference, so the op, its autograd and its compile path
 can be exercised anywhere.

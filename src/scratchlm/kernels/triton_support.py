@@ -13,8 +13,11 @@ stay free of data-dependent Python: only shapes, strides and dtypes decide anyth
 triton_op runs its body directly (``wrap_triton`` is then a no-op).
 
 Where triton_op is missing (torch < 2.6), Triton runs in its CPU interpreter (whose kernels
-cannot be traced with fake tensors) or SCRATCHLM_FLASH_TRITON_OP=0, the same bodies are
-registered as opaque ``custom_op``s with separate fake kernels.
+cannot be traced with fake tensors), or ``set_op_registration("custom_op")`` chose it (the
+registration measured first, docs/benchmarks/train_step.md), the same bodies are registered as
+opaque ``custom_op``s with separate fake kernels. The choice is made once per process, by an
+explicit ``set_op_registration`` call or else by the first op registered, not by an environment
+variable.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from contextlib import nullcontext
 
 import torch
 
+from scratchlm.errors import UserError
+
 try:  # triton is optional: CPU-only wheels of torch may not ship it
     import triton
     import triton.language as tl
@@ -32,8 +37,8 @@ except ImportError:
     triton = None
     tl = None
 
-__all__ = ["USE_TRITON_OP", "can_use_triton", "device_of", "interpreting", "register_op", "tl", "triton",
-           "triton_available", "wrap_triton"]
+__all__ = ["OP_REGISTRATIONS", "can_use_triton", "device_of", "interpreting", "op_registration", "register_op",
+           "set_op_registration", "tl", "triton", "triton_available", "wrap_triton"]
 
 
 def triton_available() -> bool:
@@ -56,14 +61,43 @@ def device_of(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
-def _use_triton_op() -> bool:
-    # SCRATCHLM_FLASH_TRITON_OP=0 keeps the opaque custom ops (the registration measured first,
-    # docs/benchmarks/train_step.md); both ran the gpt2small step at the same speed on the H200.
-    return (os.environ.get("SCRATCHLM_FLASH_TRITON_OP", "1") != "0" and hasattr(torch.library, "triton_op")
-            and hasattr(torch.library, "wrap_triton") and not interpreting())
+OP_REGISTRATIONS = ("triton_op", "custom_op")
+_registration: str | None = None  # fixed by set_op_registration, or else by the first op_registration()
 
 
-USE_TRITON_OP = _use_triton_op()
+def _triton_op_supported() -> bool:
+    # triton_op needs torch >= 2.6, and kernels it can trace: not the Triton interpreter's.
+    return hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreting()
+
+
+def set_op_registration(kind: str) -> None:
+    """Register scratchlm's Triton ops as `kind`: "triton_op" (torch.compile traces into them; the
+    default where torch has it) or "custom_op" (opaque to torch.compile, with fake kernels).
+
+    Ops are registered when their kernel module is first imported (building a model with the
+    "flash_triton" backend imports it), so call this before; afterwards only the kind in effect is
+    accepted. Both kinds ran the gpt2small training step at the same speed on an H200
+    (docs/benchmarks/train_step.md).
+    """
+    global _registration
+    if kind not in OP_REGISTRATIONS:
+        raise UserError(f"unknown op registration {kind!r}; choose one of {', '.join(OP_REGISTRATIONS)}")
+    if kind == "triton_op" and not _triton_op_supported():
+        raise UserError("triton_op registration needs torch >= 2.6 and no Triton interpreter (TRITON_INTERPRET=1); "
+                        "use 'custom_op'")
+    if _registration is not None and _registration != kind:
+        raise UserError(f"scratchlm's Triton ops are already registered as {_registration!r}; call "
+                        f"set_op_registration({kind!r}) before any scratchlm.kernels module is imported")
+    _registration = kind
+
+
+def op_registration() -> str:
+    """How the ops are registered ("triton_op" or "custom_op"): what `set_op_registration` chose,
+    else "triton_op" where torch supports it. Fixed from the first call on."""
+    global _registration
+    if _registration is None:
+        _registration = "triton_op" if _triton_op_supported() else "custom_op"
+    return _registration
 
 
 def wrap_triton(kernel):
@@ -72,13 +106,13 @@ def wrap_triton(kernel):
     Named like torch's function on purpose: ``triton_op`` finds the kernels an op launches by
     looking for ``wrap_triton(<name>)`` calls in its source, and keys compile caches on them.
     """
-    return torch.library.wrap_triton(kernel) if USE_TRITON_OP else kernel
+    return torch.library.wrap_triton(kernel) if op_registration() == "triton_op" else kernel
 
 
 def register_op(name: str, impl, fake):
     """The op `name` running `impl`: a triton_op where torch has one (its body is its own fake
     kernel), else a custom op with the fake kernel `fake`. `impl` must not mutate its inputs."""
-    if not USE_TRITON_OP:
+    if op_registration() == "custom_op":
         op = torch.library.custom_op(name, mutates_args=())(impl)
         op.register_fake(fake)
         return op

@@ -1,46 +1,24 @@
 """Causal multi-head self-attention with optional RoPE, KV cache and fast kernels.
 
-Backends: "math" runs `functional.scaled_dot_product_attention` with an explicit boolean mask
-(the reference, and the only path that handles padding masks and cached decoding);
-"flash_torch" calls the tiled FlashAttention `autograd.Function` and "flash_triton" the Triton
-kernels' `flash_attention` (a custom op with its autograd formula registered, which
-torch.compile keeps in one graph) from `scratchlm.kernels`, imported when such a module is
-built (they import without Triton). The fast
-backends only know `is_causal`, so calls with a KV cache or a padding mask fall back to "math";
-so do "flash_triton" calls on CPU tensors (a GPU-trained checkpoint still samples on a laptop).
+How the heads attend is the job of a backend ("math", "flash_torch", "flash_triton", ...),
+chosen by name from the registry in `attention_backends.py` and built once, with the module.
+Calls the backend cannot take (a KV cache or a padding mask with a flash backend, "flash_triton"
+on CPU tensors) run on "math" and are logged once; `attention_backends` says why each must work.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from scratchlm.model.functional import causal_mask, scaled_dot_product_attention
+from scratchlm.model.attention_backend import AttentionBackend
+from scratchlm.model.attention_backends import MathAttention, make_attention_backend, warn_fallback
+from scratchlm.model.functional import causal_mask
 from scratchlm.model.layers import Linear, can_fuse, project_together
 from scratchlm.model.rope import RotaryEmbedding, apply_rope
-
-BACKENDS: dict[str, tuple[str, str] | None] = {
-    "math": None,
-    "flash_torch": ("scratchlm.kernels.flash_attention_torch", "FlashAttentionTorch"),
-    "flash_triton": ("scratchlm.kernels.flash_attention_triton", "flash_attention"),
-}
-
-
-def load_backend(name: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None:
-    """The `f(q, k, v, is_causal)` of a fast backend (a function, or an autograd.Function's
-    `apply`), or None for "math"."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
-    target = BACKENDS[name]
-    if target is None:
-        return None
-    module, attr = target
-    fn = getattr(importlib.import_module(module), attr)
-    return fn.apply if isinstance(fn, type) else fn
 
 
 def qkv_init_std(d_model: int, qkv_init: str = "fused") -> float:
@@ -64,9 +42,10 @@ class MultiHeadSelfAttention(nn.Module):
     names this layer's slot in a KV cache. `qkv_init` picks the init scale of q, k, v
     (see `qkv_init_std`). With `fused_qkv` (default), q, k and v are one matmul in mixed-precision
     training (`layers.can_fuse`, `layers.project_together`); the three parameters stay separate.
-    With `packed_backward` and the "flash_triton" backend on CUDA that one output goes whole into
-    `flash_attention_qkv`, whose backward hands back one gradient (RoPE undone in its kernels), so
-    the projections' backward is one matmul each way too.
+    With `packed_backward` and a backend with a packed q|k|v path ("flash_triton", on CUDA) that
+    one output goes whole into its `attend_qkv` (`flash_attention_qkv`), whose backward hands back
+    one gradient (RoPE undone in its kernels), so the projections' backward is one matmul each way
+    too. `backend` names an entry of `attention_backends.ATTENTION_BACKENDS`.
     """
 
     def __init__(
@@ -96,14 +75,10 @@ class MultiHeadSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.fused_qkv = fused_qkv
         self.packed_backward = packed_backward
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
-        # Resolved here, not on first call: an attribute written inside a torch.compile'd forward
-        # is not reliably seen by the compiled code (the Triton module imports without triton).
-        self._flash = load_backend(backend)
-        # flash_triton also attends over the concatenated projections, RoPE inside its backward
-        self._flash_qkv = (importlib.import_module(BACKENDS[backend][0]).flash_attention_qkv
-                           if backend == "flash_triton" else None)
+        # Built here, not on first call: an attribute written inside a torch.compile'd forward is
+        # not reliably seen by the compiled code. Calls the backend cannot take run on "math".
+        self._backend = make_attention_backend(backend)
+        self._fallback = self._backend if isinstance(self._backend, MathAttention) else MathAttention()
         # By default q, k and v are initialised as the three blocks of one d_model -> 3·d_model map,
         # with its Glorot std 1/sqrt(2·d_model); sqrt(2 / (d_model + d_model)) each ("separate")
         # starts the attention logits twice as large, which pretrains measurably worse
@@ -133,62 +108,76 @@ class MultiHeadSelfAttention(nn.Module):
         appended to this layer's slot and the queries attend to everything cached so far;
         positions then default to those that follow the cached ones.
         """
+        if kv_cache is not None and attention_mask is not None:
+            raise ValueError("with a kv_cache, padding is given to the cache, not as attention_mask")
         B, T, _ = x.shape
+        backend = self._backend_for(x, kv_cache, attention_mask)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         fuse = self.fused_qkv and kv_cache is None and can_fuse(x, *projections)
-        flash = (self._flash is not None and kv_cache is None and attention_mask is None
-                 and not (self.backend == "flash_triton" and not x.is_cuda))
-        if fuse and flash and self.packed_backward and self._flash_qkv is not None:
-            return self.output_proj(self._attend_packed(x, projections, token_positions))
+        if (fuse and self.packed_backward and backend.packed_qkv and kv_cache is None
+                and attention_mask is None):
+            return self.output_proj(self._attend_packed(backend, x, projections, token_positions))
         if fuse:
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)
-        # The flash kernels take q/k/v in the projections' (B, T, H, d) layout (as strided
-        # (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates them there:
-        # an elementwise pass with no transpose, forward and backward. The math path multiplies
-        # q and k as batched matrices, which wants them heads-first in memory: RoPE then writes
-        # them so.
-        if not flash:
+        # The flash kernels (heads_first False) take q/k/v in the projections' (B, T, H, d) layout
+        # (as strided (B, H, T, d) views) and lay their gradients out the same way, so RoPE rotates
+        # them there: an elementwise pass with no transpose, forward and backward. The math path
+        # multiplies q and k as batched matrices, which wants them heads-first in memory: RoPE
+        # then writes them so.
+        if backend.heads_first:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
 
         if self.rope is not None:
             cos, sin = self._rope_tables(T, token_positions, kv_cache, x.device)  # (T, d/2) or (B, T, d/2)
-            if flash:
+            if not backend.heads_first:
                 cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., T, 1, d/2): over heads
             elif cos.dim() >= 3:
                 cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, T, d/2): over heads
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-        if flash:
+        if not backend.heads_first:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d) views
 
         if kv_cache is not None:
-            if attention_mask is not None:
-                raise ValueError("with a kv_cache, padding is given to the cache, not as attention_mask")
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, L, d)
             mask = kv_cache.attention_mask(T, k.shape[-2], device=x.device)  # (B, 1, T, L), (T, L) or None
-            out = scaled_dot_product_attention(q, k, v, mask)
+            out = backend.attend_masked(q, k, v, mask)
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
-            out = scaled_dot_product_attention(q, k, v, mask)
-        elif flash:
-            out = self._flash(q, k, v, True)
+            out = backend.attend_masked(q, k, v, mask)
         else:
-            out = scaled_dot_product_attention(q, k, v, causal_mask(T, device=x.device))
+            out = backend.attend(q, k, v, True)
 
         out = out.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, d_model)
         return self.output_proj(out)
 
-    def _attend_packed(self, x: Tensor, projections, token_positions: Tensor | None) -> Tensor:
-        # q|k|v as one tensor into flash_attention_qkv, whose backward hands back one gradient
-        # (RoPE undone in its kernels): the projections' backward is one matmul each way.
+    def _backend_for(self, x: Tensor, kv_cache, attention_mask: Tensor | None) -> AttentionBackend:
+        # This module's backend, or "math" for a call it cannot take (logged once, outside tracing).
+        backend = self._backend
+        if kv_cache is not None and not backend.kv_cache:
+            reason = "a KV cache"
+        elif attention_mask is not None and not backend.padding_mask:
+            reason = "a padding mask"
+        elif not backend.runs_on(x.device):
+            reason = f"{x.device.type} tensors"
+        else:
+            return backend
+        if not torch.compiler.is_compiling():
+            warn_fallback(backend.name, reason)
+        return self._fallback
+
+    def _attend_packed(self, backend: AttentionBackend, x: Tensor, projections,
+                       token_positions: Tensor | None) -> Tensor:
+        # q|k|v as one tensor into the backend (flash_attention_qkv), whose backward hands back one
+        # gradient (RoPE undone in its kernels): the projections' backward is one matmul each way.
         B, T, _ = x.shape
         qkv = project_together(x, projections, concatenated=True)  # (B, T, 3·d_model)
         cos = sin = None
         if self.rope is not None:
             cos, sin = self._rope_tables(T, token_positions, None, x.device)
-        out = self._flash_qkv(qkv, self.num_heads, cos, sin, True)  # (B, H, T, d), laid out (B, T, H, d)
+        out = backend.attend_qkv(qkv, self.num_heads, cos, sin, True)  # (B, H, T, d), laid out (B, T, H, d)
         return out.transpose(1, 2).reshape(B, T, self.d_model)
 
     def _rope_tables(self, T: int, token_positions: Tensor | None, kv_cache, device) -> tuple[Tensor, Tensor]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scratchlm.model.attention_backends import attention_backend_names
+
 
 @dataclass
 class ModelConfig:
@@ -22,7 +24,7 @@ class ModelConfig:
     use_rope: bool = True  # False: no positional encoding at all (NoPE ablation)
     ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation) or "moe"
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
-    attention_backend: str = "math"  # "math" (reference), "flash_torch" or "flash_triton"
+    attention_backend: str = "math"  # "math" (reference) or another name in attention_backends.ATTENTION_BACKENDS
     # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
     # map they form (as a fused qkv nn.Linear); "separate" sqrt(2/(d+d)) each (before Dec 2026).
     qkv_init: str = "fused"
@@ -65,8 +67,6 @@ class ModelConfig:
                 raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
         if self.qkv_init not in ("fused", "separate"):
             raise ValueError(f"model.qkv_init must be 'fused' or 'separate', got {self.qkv_init!r}")
-        if self.attention_backend not in ("math", "flash_torch", "flash_triton"):
-            raise ValueError(
-                "model.attention_backend must be 'math', 'flash_torch' or 'flash_triton', "
-                f"got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in attention_backend_names():
+            names = ", ".join(repr(name) for name in attention_backend_names())
+            raise ValueError(f"model.attention_backend must be one of {names}, got {self.attention_backend!r}")

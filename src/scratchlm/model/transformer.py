@@ -20,7 +20,8 @@ state_dict (default keys are listed in DESIGN.md):
   state dict with or without `lm_head.weight` (if present it must equal the embedding). The
   shared matrix gets the lm_head's initialisation: the N(0, 1) embedding scale would start
   training with logits of std sqrt(d_model).
-- attention_backend: "math", "flash_torch" or "flash_triton" (see attention.py); no keys change.
+- attention_backend: "math" or another name registered in `attention_backends.ATTENTION_BACKENDS`
+  ("flash_torch", "flash_triton", ...; see attention_backends.py); no keys change.
 - qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
 - fused_projections: True (default) computes q/k/v, and SwiGLU's w1/w3, each as one forward
   matmul over the concatenated weights in mixed-precision training (`layers.project_together`);
