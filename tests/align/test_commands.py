@@ -66,16 +66,16 @@ def test_command_errors_are_one_line(tmp_path, capsys):
 
 
 def test_training_commands_grade_with_the_configured_reward(tiny_policy, tmp_path, monkeypatch):
-    from scratchlm.align import rewards
+    from scratchlm.align import reward_registry
 
-    monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))
+    monkeypatch.setattr(reward_registry, "REWARDS", dict(reward_registry.REWARDS))
     graded = []
 
     def counting(response, truth):
         graded.append(truth)
         return {"format_reward": 1.0, "answer_reward": 0.0, "reward": 0.0}
 
-    rewards.register_reward("counting", counting)
+    reward_registry.register_reward("counting", counting)
     tiny_policy.save(tmp_path / "base")
     out = tmp_path / "grpo"
     code = main(["grpo", "align-grpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",

@@ -87,54 +87,6 @@ def test_question_only_reward():
     assert get_reward_fn("question_only") is question_only_reward
 
 
-def test_registry_names_every_reward_once():
-    from scratchlm.align.rewards import REWARDS
-    from scratchlm.align.task import arithmetic_reward
-
-    assert REWARDS["r1_zero"] is r1_zero_reward and REWARDS["arithmetic"] is arithmetic_reward
-    assert {"r1_zero", "question_only", "arithmetic", "gsm8k_last_number", "multiple_choice"} <= set(REWARDS)
-    for name, fn in REWARDS.items():
-        assert get_reward_fn(name) is fn
-        assert set(fn(" 1 </think> <answer> 1 </answer>", "1")) == {"format_reward", "answer_reward", "reward"}
-
-
-def test_unknown_reward_is_a_user_error_naming_the_choices():
-    from scratchlm.errors import UserError
-
-    with pytest.raises(UserError, match="gsm8k_last_number"):
-        get_reward_fn("nope")
-    assert get_reward_fn(r1_zero_reward) is r1_zero_reward  # a function passes through
-
-
-def test_default_reward_follows_template_and_dataset():
-    from scratchlm.align.rewards import default_reward_name, select_reward
-    from scratchlm.align.task import arithmetic_reward
-
-    assert default_reward_name("r1_zero", "arith:3") == "arithmetic"
-    assert default_reward_name("question_only", "arith") == "question_only"
-    assert default_reward_name("r1_zero", "gsm8k") == "r1_zero"
-    assert select_reward("", template="r1_zero", dataset="arith:2") is arithmetic_reward
-    assert select_reward("", template="question_only", dataset="math") is question_only_reward
-    assert select_reward("question_only", template="r1_zero", dataset="arith") is question_only_reward
-
-
-def test_register_reward(monkeypatch):
-    from scratchlm.align import rewards
-
-    monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))
-
-    def always(response, truth):
-        return {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
-
-    assert rewards.register_reward("always", always) is always
-    assert get_reward_fn("always") is always
-    rewards.register_reward("always", always)  # registering the same function again is harmless
-    with pytest.raises(ValueError, match="already registered"):
-        rewards.register_reward("r1_zero", always)
-    rewards.register_reward("r1_zero", always, replace=True)
-    assert get_reward_fn("r1_zero") is always
-
-
 @pytest.mark.parametrize("response, truth, expected", [
     ("She pays $1,234.50 in total.", "1234.5", (1.0, 1.0)),
     ("3 + 4 = 7, so she has 7.", "7", (1.0, 1.0)),
@@ -165,13 +117,3 @@ def test_multiple_choice_reward(response, truth, expected):
     r = multiple_choice_reward(response, truth)
     assert (r["format_reward"], r["answer_reward"]) == expected and r["reward"] == expected[0] * expected[1]
 
-
-def test_data_config_validates_the_reward_name():
-    from scratchlm.align.config import GRPORunConfig
-    from scratchlm.config import ConfigError, load_config
-
-    assert load_config(GRPORunConfig, "align-grpo").data.reward == ""
-    cfg = load_config(GRPORunConfig, "align-grpo", ["--data.reward=multiple_choice"])
-    assert cfg.data.reward == "multiple_choice"
-    with pytest.raises(ConfigError, match="data.reward must be one of"):
-        load_config(GRPORunConfig, "align-grpo", ["--data.reward=bogus"])

@@ -72,7 +72,7 @@ def _setup(cfg: Any):
 
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
-    from scratchlm.align.rewards import select_reward
+    from scratchlm.align.reward_registry import select_reward
     from scratchlm.config import save_config
 
     if not cfg.policy.path:
@@ -195,7 +195,7 @@ def eval_math_command(argv: list[str]) -> int:
     from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
-    from scratchlm.align.rewards import select_reward
+    from scratchlm.align.reward_registry import select_reward
 
     template = get_template(args.template)
     reward_fn = select_reward("", template=args.template, dataset=args.dataset)

@@ -21,7 +21,8 @@ from typing import Any
 
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
-from scratchlm.align.rewards import RewardFn, get_reward_fn
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 
 
 def evaluate_policy(
@@ -39,7 +40,7 @@ def evaluate_policy(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Greedy (default) answers to `examples`, graded by `reward_fn`: (records, summary).
 
-    `reward_fn` is a function or the name of a registered reward (rewards.REWARDS).
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     """
     reward_fn = get_reward_fn(reward_fn)
     prompts = [template.format(ex.question) for ex in examples]

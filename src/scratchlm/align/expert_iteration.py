@@ -17,7 +17,8 @@ from typing import Any
 from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
-from scratchlm.align.rewards import RewardFn, get_reward_fn
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, sft_train
 
 
@@ -55,7 +56,7 @@ def expert_iteration(
 ) -> list[dict[str, Any]]:
     """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
 
-    `reward_fn` is a function or the name of a registered reward (rewards.REWARDS).
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     """
     reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)

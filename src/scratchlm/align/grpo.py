@@ -37,7 +37,8 @@ from scratchlm.align.datasets import MathExample
 from scratchlm.align.logprobs import masked_mean, masked_normalize, response_log_probs, tokenize_prompt_and_output
 from scratchlm.align.policy import Completion, autocast_context
 from scratchlm.align.prompts import PromptTemplate
-from scratchlm.align.rewards import RewardFn, get_reward_fn
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step
 
 
@@ -341,7 +342,7 @@ def grpo_train(
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
 
-    `reward_fn` is a function or the name of a registered reward (rewards.REWARDS).
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
     its dict is merged into that step's metrics under ``eval_*`` keys.
     """

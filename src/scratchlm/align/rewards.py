@@ -18,8 +18,7 @@ none of them (see math_normalize).
 Free-text rewards read the answer with answer_parsers: ``gsm8k_last_number`` (the number after
 ``####``, else the last number) and ``multiple_choice`` (a letter A-D).
 
-`REWARDS` at the end of this file is the one registry of rewards by name; configs, commands
-and the training loops look names up there (`get_reward_fn`, `select_reward`).
+The rewards are chosen by name from the registry in reward_registry.py.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from collections.abc import Callable, Sequence
 
 from scratchlm.align.answer_parsers import parse_gsm8k_answer, parse_multiple_choice
 from scratchlm.align.math_normalize import answers_match, last_boxed
-from scratchlm.align.task import arithmetic_reward
-from scratchlm.errors import UserError
 
 RewardFn = Callable[[str, "str | Sequence[str]"], dict[str, float]]
 
@@ -136,48 +133,16 @@ def multiple_choice_reward(response: str, ground_truth: str | Sequence[str]) -> 
     return _result(True, any(choice == (parse_multiple_choice(str(t)) or str(t).strip().upper()) for t in truths))
 
 
-# The registry: every reward that a config (`data.reward`), a command or a training loop can
-# name. A new reward is a module holding its function plus one line here.
-REWARDS: dict[str, RewardFn] = {
-    "r1_zero": r1_zero_reward,
-    "question_only": question_only_reward,
-    "arithmetic": arithmetic_reward,
-    "gsm8k_last_number": gsm8k_last_number_reward,
-    "multiple_choice": multiple_choice_reward,
-}
-
-
-def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> RewardFn:
-    """Add `fn` to the registry under `name` (from a script, without editing this file); returns `fn`."""
-    if not callable(fn):
-        raise TypeError(f"reward {name!r} must be a function (response, ground_truth) -> dict")
-    if name in REWARDS and REWARDS[name] is not fn and not replace:
-        raise ValueError(f"a reward named {name!r} is already registered (pass replace=True to override it)")
-    REWARDS[name] = fn
-    return fn
-
-
 def get_reward_fn(name: str | RewardFn) -> RewardFn:
-    """The registered reward called `name` (a function passes through unchanged).
+    """The registered reward called `name` (see reward_registry; kept here for existing imports)."""
+    from scratchlm.align import reward_registry
 
-    The built-in prompt templates share their reward's name, so ``get_reward_fn(template)``
-    is the template's own reward.
-    """
-    if callable(name):
-        return name
-    if name not in REWARDS:
-        raise UserError(f"unknown reward {name!r}; choose one of {', '.join(sorted(REWARDS))}")
-    return REWARDS[name]
+    return reward_registry.get_reward_fn(name)
 
 
-def default_reward_name(template: str, dataset: str) -> str:
-    """The reward used when none is named: the template's own, but ``arithmetic`` for the
-    synthetic task (``arith``, ``arith:D``) in the r1_zero format, whose answers are bare integers."""
-    if dataset.startswith("arith") and template == "r1_zero":
-        return "arithmetic"
-    return template
+def __getattr__(name: str):
+    if name == "REWARDS":  # the registry lives in reward_registry, which imports this module
+        from scratchlm.align import reward_registry
 
-
-def select_reward(name: str, *, template: str, dataset: str) -> RewardFn:
-    """The reward called `name`, or when `name` is "" the default for `template` and `dataset`."""
-    return get_reward_fn(name or default_reward_name(template, dataset))
+        return reward_registry.REWARDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
