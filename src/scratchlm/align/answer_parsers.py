@@ -22,8 +22,9 @@ the number 2).
 Choices (`parse_multiple_choice`). The last "answer is X" / "answer: X" phrase wins (``The
 correct answer is (B).``, ``Answer: c``, ``the answer is **D**``); without one, a response
 that is only a letter (``B``, ``(b)``, ``C.``), or whose last ``\\boxed{}`` holds only one,
-is that letter. Letters come back upper-case; one outside `choices` gives None. A lower-case letter in a phrase must stand alone (bracketed, or followed by punctuation or
-the end), so that the article in "the answer is a number" is not read as choice A.
+is that letter. Letters come back upper-case; one outside `choices` gives None. A lower-case
+letter in a phrase must stand alone (bracketed, or followed by punctuation or the end), so
+that the article in "the answer is a number" is not read as choice A.
 
 >>> parse_multiple_choice("Paris is in France, so the correct answer is (c).")
 'C'

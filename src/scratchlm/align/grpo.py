@@ -17,6 +17,11 @@ A response's loss is the masked mean of its token losses (``length_normalization
 or their sum over a fixed constant (``"constant"``, so long and short responses weigh each
 token alike), then averaged over the batch and divided by the accumulation steps.
 
+`grpo_train` is a loop over named steps, each usable alone: `sample_rollouts` (questions and
+a group of responses to each), `score_rollouts` (rewards and advantages), `rollout_batch`
+(the token batch to train on), `update_policy` (the optimizer steps over that batch) and
+`step_metrics` (the logged row), with the held-out evaluation every `eval_every` steps.
+
 There is no KL penalty against a reference model: with verifiable rewards and few steps the
 clip (or on-policy updates) keeps the policy close enough, and it saves a third model pass.
 """
