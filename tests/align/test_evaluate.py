@@ -64,3 +64,13 @@ def test_eval_math_command_user_errors(tmp_path, capsys):
     assert main(["eval-math", str(tmp_path / "nope"), "--dataset", "arith:1", "--limit", "2"]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["eval-math", str(tmp_path), "--dataset", "imagenet"]) == 2
+
+
+def test_evaluate_policy_takes_a_reward_name():
+    t = get_template("question_only")
+    examples = [MathExample("a", "B"), MathExample("b", "1234.5")]
+    policy = CannedPolicy({t.format("a"): " The correct answer is (b).", t.format("b"): " She pays $1,234.50."})
+    records, _ = evaluate_policy(policy, examples, template=t, reward_fn="multiple_choice")
+    assert [r["reward"] for r in records] == [1.0, 0.0]
+    records, _ = evaluate_policy(policy, examples, template=t, reward_fn="gsm8k_last_number")
+    assert [r["reward"] for r in records] == [0.0, 1.0]

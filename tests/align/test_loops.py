@@ -133,3 +133,37 @@ def test_grpo_stops_when_its_time_is_up_and_still_evaluates(tiny_policy):
                          evaluate=lambda step: evaluated.append(step) or {"accuracy": 0.0})
     assert [h["step"] for h in history] == [0, 1] and evaluated == [0, 1]
     assert "eval_accuracy" in history[-1] and "retokenized_fraction" in history[-1]
+
+
+def test_grpo_train_is_its_named_steps_run_in_order(tiny_policy):
+    """The steps of grpo.py, called by hand with the same seeds, give bit-identical weights and metrics."""
+    import copy
+    import random
+
+    from scratchlm.align.grpo import rollout_batch, sample_rollouts, score_rollouts, step_metrics, update_policy
+    from scratchlm.align.sft import make_optimizer
+
+    by_hand = copy.deepcopy(tiny_policy)
+    examples = ArithmeticTask(difficulty=1).examples(8)
+    reward = lambda r, g: {"format_reward": 1.0, "answer_reward": 0.0, "reward": float(len(r) % 2)}  # noqa: E731
+    grpo = GRPOConfig(n_grpo_steps=2, rollout_batch_size=8, group_size=4, train_batch_size=4, grad_accum_steps=2,
+                      loss_type="grpo_clip", epochs_per_rollout_batch=2)
+    optim, sampling = OptimConfig(lr=1e-2, warmup_steps=1), SamplingConfig(max_new_tokens=6, batch_size=4)
+    history = grpo_train(tiny_policy, examples, template=TEMPLATE, reward_fn=reward, grpo=grpo, optim=optim,
+                         sampling=sampling, seed=3)
+
+    rng, optimizer, update, rows = random.Random(3), make_optimizer(by_hand.model, optim), 0, []
+    for step in (1, 2):
+        rollouts = sample_rollouts(by_hand, examples, template=TEMPLATE, grpo=grpo, sampling=sampling, rng=rng)
+        advantages, raw, reward_meta = score_rollouts(rollouts, reward, grpo)
+        batch, retokenized = rollout_batch(by_hand, rollouts)
+        meta, lr, n = update_policy(by_hand, optimizer, batch, advantages[:, None], raw[:, None], grpo=grpo,
+                                    optim=optim, normalize_constant=6.0, first_update=update, total_updates=8, rng=rng)
+        update += n
+        rows.append(step_metrics(step, lr, meta, reward_meta, rollouts, retokenized))
+    assert update == 8
+    drop = "rollout_tokens_per_s"  # wall time
+    assert [{k: v for k, v in r.items() if k != drop} for r in rows] == [
+        {k: v for k, v in h.items() if k != drop} for h in history]
+    for a, b in zip(tiny_policy.model.parameters(), by_hand.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

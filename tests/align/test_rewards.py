@@ -85,3 +85,35 @@ def test_question_only_reward():
     assert question_only_reward(" #### 7 8", "7")["reward"] == 0.0
     assert extract_question_only_answer(" x\n#### 12\nmore") == "12"
     assert get_reward_fn("question_only") is question_only_reward
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("She pays $1,234.50 in total.", "1234.5", (1.0, 1.0)),
+    ("3 + 4 = 7, so she has 7.", "7", (1.0, 1.0)),
+    ("7 at first, then 8.", "7", (1.0, 0.0)),  # graded by the last number
+    ("#### 72\nthat took 3 days", "72", (1.0, 1.0)),
+    ("#### 1,072", ["1072", "1073"], (1.0, 1.0)),
+    ("It fell to -3.", "-3", (1.0, 1.0)),
+    ("I cannot tell.", "3", (0.0, 0.0)),
+])
+def test_gsm8k_last_number_reward(response, truth, expected):
+    from scratchlm.align.rewards import gsm8k_last_number_reward
+
+    r = gsm8k_last_number_reward(response, truth)
+    assert (r["format_reward"], r["answer_reward"]) == expected and r["reward"] == expected[0] * expected[1]
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("The correct answer is (B).", "B", (1.0, 1.0)),
+    ("the correct answer is b", "(B)", (1.0, 1.0)),
+    ("The correct answer is C.", "B", (1.0, 0.0)),
+    (" C is tempting </think> <answer> B </answer>", "B", (1.0, 1.0)),  # the r1_zero answer block
+    ("It is either B or C.", "B", (0.0, 0.0)),
+    ("The answer is a mystery.", "A", (0.0, 0.0)),
+])
+def test_multiple_choice_reward(response, truth, expected):
+    from scratchlm.align.rewards import multiple_choice_reward
+
+    r = multiple_choice_reward(response, truth)
+    assert (r["format_reward"], r["answer_reward"]) == expected and r["reward"] == expected[0] * expected[1]
+

@@ -63,3 +63,26 @@ def test_command_errors_are_one_line(tmp_path, capsys):
     assert main(["sft", "align-sft", "--sft.bogus=1"]) == 2
     assert "unknown config key" in capsys.readouterr().err
     assert main(["sft", "no-such-preset"]) == 2
+
+
+def test_training_commands_grade_with_the_configured_reward(tiny_policy, tmp_path, monkeypatch):
+    from scratchlm.align import reward_registry
+
+    monkeypatch.setattr(reward_registry, "REWARDS", dict(reward_registry.REWARDS))
+    graded = []
+
+    def counting(response, truth):
+        graded.append(truth)
+        return {"format_reward": 1.0, "answer_reward": 0.0, "reward": 0.0}
+
+    reward_registry.register_reward("counting", counting)
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "grpo"
+    code = main(["grpo", "align-grpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--data.reward=counting", "--grpo.n_grpo_steps=1", "--grpo.rollout_batch_size=4",
+                 "--grpo.group_size=2", "--grpo.train_batch_size=4", "--grpo.grad_accum_steps=2", *COMMON])
+    assert code == 0
+    assert len(graded) == 2 + 4 + 2  # the two evaluations (eval_limit=2) and one rollout batch
+    rows = _metrics(out)
+    assert rows[0]["eval_format_rate"] == 1.0 and rows[1]["format_reward_mean"] == 1.0
+    assert 'reward = "counting"' in (out / "config.toml").read_text()

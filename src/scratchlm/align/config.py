@@ -26,9 +26,17 @@ class DataConfig:
     data_dir: str = ""  # folder holding gsm8k/ and math/ ("" = shared/data beside the repository)
     limit: int = 0  # use only the first N training examples (0 = all)
     template: str = "r1_zero"  # prompt format: r1_zero or question_only
+    reward: str = ""  # a name in reward_registry.REWARDS; "" = the template's own (arithmetic for arith with r1_zero)
     eval_dataset: str = ""  # "" = same as dataset
     eval_split: str = "test"
     eval_limit: int = 200  # held-out examples per evaluation (0 = all)
+
+    def __post_init__(self) -> None:
+        from scratchlm.align.reward_registry import REWARDS
+
+        if self.reward and self.reward not in REWARDS:
+            raise ValueError(f"data.reward must be one of {', '.join(sorted(REWARDS))} (or \"\" for the "
+                             f"template's own), got {self.reward!r}")
 
 
 @dataclass

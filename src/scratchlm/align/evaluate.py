@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 
 
 def evaluate_policy(
@@ -28,7 +30,7 @@ def evaluate_policy(
     examples: Sequence[MathExample],
     *,
     template: PromptTemplate,
-    reward_fn: Callable[[str, Any], dict[str, float]],
+    reward_fn: RewardFn | str,
     max_new_tokens: int = 512,
     batch_size: int = 64,
     temperature: float = 0.0,
@@ -36,7 +38,11 @@ def evaluate_policy(
     seed: int = 0,
     progress: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Greedy (default) answers to `examples`, graded by `reward_fn`: (records, summary)."""
+    """Greedy (default) answers to `examples`, graded by `reward_fn`: (records, summary).
+
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
+    """
+    reward_fn = get_reward_fn(reward_fn)
     prompts = [template.format(ex.question) for ex in examples]
     records: list[dict[str, Any]] = []
     start = time.perf_counter()

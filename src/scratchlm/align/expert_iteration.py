@@ -17,9 +17,9 @@ from typing import Any
 from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, sft_train
-
-RewardFn = Callable[[str, Any], dict[str, float]]
 
 
 def filter_rewarded(
@@ -44,7 +44,7 @@ def expert_iteration(
     train_examples: Sequence[MathExample],
     *,
     template: PromptTemplate,
-    reward_fn: RewardFn,
+    reward_fn: RewardFn | str,
     ei: ExpertIterationConfig,
     sft: SFTConfig,
     optim: OptimConfig,
@@ -54,7 +54,11 @@ def expert_iteration(
     log: LogFn | None = None,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start)."""
+    """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
+
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
+    """
+    reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
     if evaluate is not None:

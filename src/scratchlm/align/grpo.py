@@ -17,6 +17,11 @@ A response's loss is the masked mean of its token losses (``length_normalization
 or their sum over a fixed constant (``"constant"``, so long and short responses weigh each
 token alike), then averaged over the batch and divided by the accumulation steps.
 
+`grpo_train` is a loop over named steps, each usable alone: `sample_rollouts` (questions and
+a group of responses to each), `score_rollouts` (rewards and advantages), `rollout_batch`
+(the token batch to train on), `update_policy` (the optimizer steps over that batch) and
+`step_metrics` (the logged row), with the held-out evaluation every `eval_every` steps.
+
 There is no KL penalty against a reference model: with verifiable rewards and few steps the
 clip (or on-policy updates) keeps the policy close enough, and it saves a third model pass.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,11 +40,11 @@ from torch import Tensor
 from scratchlm.align.config import GRPOConfig, OptimConfig, SamplingConfig
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.logprobs import masked_mean, masked_normalize, response_log_probs, tokenize_prompt_and_output
-from scratchlm.align.policy import autocast_context
+from scratchlm.align.policy import Completion, autocast_context
 from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.reward_registry import get_reward_fn
+from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step
-
-RewardFn = Callable[[str, Any], dict[str, float]]
 
 
 def compute_group_normalized_rewards(
@@ -191,12 +197,145 @@ def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int) -> Te
     return torch.cat(parts)
 
 
+@dataclass
+class Rollouts:
+    """One rollout batch: `group_size` consecutive responses to each sampled question."""
+
+    prompts: list[str]
+    truths: list[Any]  # the ground truth of each response's question
+    completions: list[Completion]
+    seconds: float  # wall time of generation
+
+
+def sample_rollouts(
+    policy: Any,
+    train_examples: Sequence[MathExample],
+    *,
+    template: PromptTemplate,
+    grpo: GRPOConfig,
+    sampling: SamplingConfig,
+    rng: random.Random,
+) -> Rollouts:
+    """Draw `rollout_batch_size / group_size` questions with `rng` and sample a group of responses to each."""
+    n_questions = grpo.rollout_batch_size // grpo.group_size
+    questions = rng.sample(list(train_examples), min(n_questions, len(train_examples)))
+    prompts = [template.format(q.question) for q in questions for _ in range(grpo.group_size)]
+    truths = [q.answer for q in questions for _ in range(grpo.group_size)]
+    t0 = time.perf_counter()
+    completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens,
+                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                  stop=template.stop, seed=rng.randrange(2**31), batch_size=sampling.batch_size)
+    return Rollouts(prompts, truths, completions, time.perf_counter() - t0)
+
+
+def score_rollouts(rollouts: Rollouts, reward_fn: RewardFn, grpo: GRPOConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Rewards and group-normalised advantages of a rollout batch: (advantages (N,), raw (N,), metadata)."""
+    responses = [c.text for c in rollouts.completions]
+    return compute_group_normalized_rewards(reward_fn, responses, rollouts.truths, grpo.group_size,
+                                            grpo.advantage_eps, grpo.normalize_by_std)
+
+
+def rollout_batch(policy: Any, rollouts: Rollouts) -> tuple[dict[str, Tensor], float]:
+    """The rollouts as a training batch on the policy's device (input_ids, labels, response_mask,
+    each (N, T)), cut to the context, and the fraction of responses that re-encode differently."""
+    prompt_ids = [policy.encode(p) for p in rollouts.prompts]
+    response_ids, retokenized = rollout_response_ids(policy, rollouts.completions)
+    limit = policy.context_length + 1
+    response_ids = [r[: max(limit - len(p), 1)] for p, r in zip(prompt_ids, response_ids)]
+    batch = tokenize_prompt_and_output(prompt_ids, response_ids, policy.pad_id)
+    return {k: v.to(policy.device) for k, v in batch.items()}, retokenized
+
+
+def update_policy(
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Tensor],
+    advantages: Tensor,
+    raw_rewards: Tensor,
+    *,
+    grpo: GRPOConfig,
+    optim: OptimConfig,
+    normalize_constant: float,
+    first_update: int,
+    total_updates: int,
+    rng: random.Random,
+) -> tuple[dict[str, float], float, int]:
+    """`epochs_per_rollout_batch` passes of optimizer steps over one scored rollout batch.
+
+    Advantages and raw rewards are (N, 1) on the policy's device. Each pass shuffles the rows
+    (with a seed drawn from `rng`) into optimizer steps of `train_batch_size` rows, each
+    accumulated over `grad_accum_steps` microbatches. Returns (loss, token entropy, clip
+    fraction and gradient norm averaged over the optimizer steps; the last learning rate;
+    the number of optimizer steps taken).
+    """
+    model = policy.model
+    micro = grpo.train_batch_size // grpo.grad_accum_steps
+    steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
+    model.train()
+    old = _sequence_log_probs(policy, batch, micro) if grpo.loss_type == "grpo_clip" else None
+    sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
+    n_updates = 0
+    for _ in range(grpo.epochs_per_rollout_batch):
+        order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        for b in range(steps_per_batch):
+            rows = order[b * grpo.train_batch_size:(b + 1) * grpo.train_batch_size]
+            for m in range(grpo.grad_accum_steps):
+                idx = rows[m * micro:(m + 1) * micro].to(policy.device)
+                _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums)
+            lr = learning_rate(first_update + n_updates, total_updates, optim)
+            sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
+            n_updates += 1
+    model.eval()
+    return {k: v / n_updates for k, v in sums.items()}, lr, n_updates
+
+
+def _microbatch_backward(
+    model: torch.nn.Module,
+    batch: dict[str, Tensor],
+    idx: Tensor,
+    advantages: Tensor,
+    raw_rewards: Tensor,
+    old: Tensor | None,
+    grpo: GRPOConfig,
+    normalize_constant: float,
+    sums: dict[str, float],
+) -> None:
+    """Forward and backward the rows `idx` of the batch; add their loss, entropy and clip fraction to `sums`."""
+    mask = batch["response_mask"][idx]
+    width = int(mask.any(dim=0).nonzero().max()) + 1  # drop columns that are padding in every row
+    mask = mask[:, :width]
+    with autocast_context(idx.device):
+        out = response_log_probs(model, batch["input_ids"][idx, :width], batch["labels"][idx, :width],
+                                 return_token_entropy=True)
+    loss, meta = grpo_microbatch_train_step(
+        out["log_probs"], mask, grpo.grad_accum_steps, grpo.loss_type,
+        raw_rewards=raw_rewards[idx], advantages=advantages[idx],
+        old_log_probs=old[idx, :width] if old is not None else None, cliprange=grpo.cliprange,
+        length_normalization=grpo.length_normalization, normalize_constant=normalize_constant)
+    sums["loss"] += float(loss)
+    sums["token_entropy"] += float(masked_mean(out["token_entropy"], mask)) / grpo.grad_accum_steps
+    if "clip_fraction" in meta:
+        sums["clip_fraction"] += float(meta["clip_fraction"]) / grpo.grad_accum_steps
+
+
+def step_metrics(
+    step: int, lr: float, update: dict[str, float], reward_meta: dict[str, float], rollouts: Rollouts,
+    retokenized: float,
+) -> dict[str, Any]:
+    """The metrics row of one GRPO step."""
+    completions = rollouts.completions
+    generated = sum(c.num_tokens for c in completions)
+    return {"phase": "grpo", "step": step, "lr": lr, **update, **reward_meta,
+            "response_tokens_mean": generated / len(completions), "retokenized_fraction": retokenized,
+            "rollout_tokens_per_s": generated / rollouts.seconds if rollouts.seconds > 0 else 0.0}
+
+
 def grpo_train(
     policy: Any,
     train_examples: Sequence[MathExample],
     *,
     template: PromptTemplate,
-    reward_fn: RewardFn,
+    reward_fn: RewardFn | str,
     grpo: GRPOConfig,
     optim: OptimConfig,
     sampling: SamplingConfig,
@@ -208,90 +347,50 @@ def grpo_train(
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
 
+    `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
     its dict is merged into that step's metrics under ``eval_*`` keys.
     """
-    model = policy.model
+    reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)
-    optimizer = make_optimizer(model, optim)
-    n_questions = grpo.rollout_batch_size // grpo.group_size
-    micro = grpo.train_batch_size // grpo.grad_accum_steps
+    optimizer = make_optimizer(policy.model, optim)
     steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
     total_updates = grpo.n_grpo_steps * grpo.epochs_per_rollout_batch * steps_per_batch
     normalize_constant = grpo.normalize_constant or float(sampling.max_new_tokens)
-    need_old = grpo.loss_type == "grpo_clip"
     history: list[dict[str, Any]] = []
-    update = 0
-    if evaluate is not None:
-        first = {"phase": "grpo", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}}
-        history.append(first)
-        if log is not None:
-            log(first)
-    bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
-    started = time.perf_counter()
-    for step in range(1, grpo.n_grpo_steps + 1):
-        questions = rng.sample(list(train_examples), min(n_questions, len(train_examples)))
-        prompts = [template.format(q.question) for q in questions for _ in range(grpo.group_size)]
-        truths = [q.answer for q in questions for _ in range(grpo.group_size)]
-        t0 = time.perf_counter()
-        completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens,
-                                      temperature=sampling.temperature, top_p=sampling.top_p,
-                                      stop=template.stop, seed=rng.randrange(2**31), batch_size=sampling.batch_size)
-        rollout_s = time.perf_counter() - t0
-        responses = [c.text for c in completions]
-        advantages, raw, reward_meta = compute_group_normalized_rewards(
-            reward_fn, responses, truths, grpo.group_size, grpo.advantage_eps, grpo.normalize_by_std)
-        prompt_ids = [policy.encode(p) for p in prompts]
-        response_ids, retokenized = rollout_response_ids(policy, completions)
-        limit = policy.context_length + 1
-        response_ids = [r[: max(limit - len(p), 1)] for p, r in zip(prompt_ids, response_ids)]
-        batch = tokenize_prompt_and_output(prompt_ids, response_ids, policy.pad_id)
-        batch = {k: v.to(policy.device) for k, v in batch.items()}
-        advantages, raw = advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None]  # (N, 1)
-        model.train()
-        old = _sequence_log_probs(policy, batch, micro) if need_old else None
-        sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
-        n_updates = 0
-        for _ in range(grpo.epochs_per_rollout_batch):
-            order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
-            for b in range(steps_per_batch):
-                rows = order[b * grpo.train_batch_size:(b + 1) * grpo.train_batch_size]
-                for m in range(grpo.grad_accum_steps):
-                    idx = rows[m * micro:(m + 1) * micro].to(policy.device)
-                    mask = batch["response_mask"][idx]
-                    width = int(mask.any(dim=0).nonzero().max()) + 1  # drop columns that are padding in every row
-                    mask = mask[:, :width]
-                    with autocast_context(policy.device):
-                        out = response_log_probs(model, batch["input_ids"][idx, :width], batch["labels"][idx, :width],
-                                                 return_token_entropy=True)
-                    loss, meta = grpo_microbatch_train_step(
-                        out["log_probs"], mask, grpo.grad_accum_steps, grpo.loss_type,
-                        raw_rewards=raw[idx], advantages=advantages[idx],
-                        old_log_probs=old[idx, :width] if old is not None else None, cliprange=grpo.cliprange,
-                        length_normalization=grpo.length_normalization, normalize_constant=normalize_constant)
-                    sums["loss"] += float(loss)
-                    sums["token_entropy"] += float(masked_mean(out["token_entropy"], mask)) / grpo.grad_accum_steps
-                    if "clip_fraction" in meta:
-                        sums["clip_fraction"] += float(meta["clip_fraction"]) / grpo.grad_accum_steps
-                lr = learning_rate(update, total_updates, optim)
-                sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
-                update += 1
-                n_updates += 1
-        model.eval()
-        generated = sum(c.num_tokens for c in completions)
-        row = {"phase": "grpo", "step": step, "lr": lr, **{k: v / n_updates for k, v in sums.items()},
-               **reward_meta, "response_tokens_mean": generated / len(completions), "retokenized_fraction": retokenized,
-               "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0}
-        out_of_time = bool(grpo.max_seconds) and time.perf_counter() - started >= grpo.max_seconds
-        last = step == grpo.n_grpo_steps or out_of_time
-        if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
-            row.update({f"eval_{k}": v for k, v in evaluate(step).items()})
+
+    def record(row: dict[str, Any]) -> None:
         history.append(row)
         if log is not None:
             log(row)
+
+    if evaluate is not None:
+        record({"phase": "grpo", "step": 0, **_eval_metrics(evaluate, 0)})
+    update = 0
+    bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
+    started = time.perf_counter()
+    for step in range(1, grpo.n_grpo_steps + 1):
+        rollouts = sample_rollouts(policy, train_examples, template=template, grpo=grpo, sampling=sampling, rng=rng)
+        advantages, raw, reward_meta = score_rollouts(rollouts, reward_fn, grpo)
+        batch, retokenized = rollout_batch(policy, rollouts)
+        update_meta, lr, n_updates = update_policy(
+            policy, optimizer, batch, advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None],
+            grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=update,
+            total_updates=total_updates, rng=rng)
+        update += n_updates
+        row = step_metrics(step, lr, update_meta, reward_meta, rollouts, retokenized)
+        out_of_time = bool(grpo.max_seconds) and time.perf_counter() - started >= grpo.max_seconds
+        last = step == grpo.n_grpo_steps or out_of_time
+        if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
+            row.update(_eval_metrics(evaluate, step))
+        record(row)
         bar.update(1)
         bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
         if out_of_time:
             break
     bar.close()
     return history
+
+
+def _eval_metrics(evaluate: Callable[[int], dict[str, Any]], step: int) -> dict[str, Any]:
+    return {f"eval_{k}": v for k, v in evaluate(step).items()}

@@ -14,12 +14,18 @@ none of them (see math_normalize).
 
 ``question_only`` format: the final answer follows the last ``####`` or sits in the last
 ``\\boxed{}``; a response with neither is unformatted.
+
+Free-text rewards read the answer with answer_parsers: ``gsm8k_last_number`` (the number after
+``####``, else the last number) and ``multiple_choice`` (a letter A-D).
+
+The rewards are chosen by name from the registry in reward_registry.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from scratchlm.align.answer_parsers import parse_gsm8k_answer, parse_multiple_choice
 from scratchlm.align.math_normalize import answers_match, last_boxed
 
 RewardFn = Callable[[str, "str | Sequence[str]"], dict[str, float]]
@@ -102,10 +108,41 @@ def question_only_reward(response: str, ground_truth: str | Sequence[str]) -> di
     return _result(True, _grade(answer, ground_truth))
 
 
-REWARDS: dict[str, RewardFn] = {"r1_zero": r1_zero_reward, "question_only": question_only_reward}
+def gsm8k_last_number_reward(response: str, ground_truth: str | Sequence[str]) -> dict[str, float]:
+    """Reward of a free-text response graded by its final number (``#### N``, else the last number).
+
+    Any response holding a number is formatted; see answer_parsers.parse_gsm8k_answer.
+    """
+    answer = parse_gsm8k_answer(response)
+    if answer is None:
+        return _result(False, False)
+    return _result(True, _grade(answer, ground_truth))
 
 
-def get_reward_fn(template_name: str) -> RewardFn:
-    """The reward function that matches a prompt template."""
-    return REWARDS[template_name]
+def multiple_choice_reward(response: str, ground_truth: str | Sequence[str]) -> dict[str, float]:
+    """Reward of an answer to a lettered question (A-D); `ground_truth` is the right letter.
 
+    The letter is read from the ``<answer>`` block of a well-formed r1_zero response, else from
+    the whole response ("The correct answer is (B)."); see answer_parsers.parse_multiple_choice.
+    """
+    inner = extract_r1_answer(response)
+    choice = parse_multiple_choice(inner if inner is not None else response)
+    if choice is None:
+        return _result(False, False)
+    truths = [ground_truth] if isinstance(ground_truth, str) else list(ground_truth)
+    return _result(True, any(choice == (parse_multiple_choice(str(t)) or str(t).strip().upper()) for t in truths))
+
+
+def get_reward_fn(name: str | RewardFn) -> RewardFn:
+    """The registered reward called `name` (see reward_registry; kept here for existing imports)."""
+    from scratchlm.align import reward_registry
+
+    return reward_registry.get_reward_fn(name)
+
+
+def __getattr__(name: str):
+    if name == "REWARDS":  # the registry lives in reward_registry, which imports this module
+        from scratchlm.align import reward_registry
+
+        return reward_registry.REWARDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,7 +72,7 @@ def _setup(cfg: Any):
 
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
-    from scratchlm.align.rewards import get_reward_fn
+    from scratchlm.align.reward_registry import select_reward
     from scratchlm.config import save_config
 
     if not cfg.policy.path:
@@ -83,16 +83,8 @@ def _setup(cfg: Any):
     save_config(cfg, out_dir / "config.toml")
     policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
     template = get_template(cfg.data.template)
-    reward_fn = _reward_for(cfg.data.dataset, cfg.data.template, get_reward_fn(cfg.data.template))
+    reward_fn = select_reward(cfg.data.reward, template=cfg.data.template, dataset=cfg.data.dataset)
     return policy, template, reward_fn, out_dir
-
-
-def _reward_for(dataset: str, template_name: str, default):
-    if dataset.startswith("arith") and template_name == "r1_zero":
-        from scratchlm.align.task import arithmetic_reward
-
-        return arithmetic_reward
-    return default
 
 
 def _examples(cfg: Any, *, eval_split: bool):
@@ -203,10 +195,10 @@ def eval_math_command(argv: list[str]) -> int:
     from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
-    from scratchlm.align.rewards import get_reward_fn
+    from scratchlm.align.reward_registry import select_reward
 
     template = get_template(args.template)
-    reward_fn = _reward_for(args.dataset, args.template, get_reward_fn(args.template))
+    reward_fn = select_reward("", template=args.template, dataset=args.dataset)
     examples = load_examples(args.dataset, args.split, data_dir=args.data_dir, limit=args.limit, seed=args.seed)
     if not examples:
         raise UserError(f"{args.dataset}/{args.split} has no examples")
