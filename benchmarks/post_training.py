@@ -3,7 +3,7 @@
     python benchmarks/post_training.py --scale tiny            # CPU, a few minutes
     python benchmarks/post_training.py --scale small           # CPU, difficulty 2, ~10 minutes
     python benchmarks/post_training.py --scale full --device cuda \
-        --json docs/benchmarks/post_training_full.json --plot docs/benchmarks/post_training_full.png
+        --json docs/benchmarks/post_training.json --plot docs/benchmarks/post_training.png
     python benchmarks/post_training.py --scale full --set grpo.max_seconds=120 sampling.temperature=1.2
     python benchmarks/post_training.py --replot results.json --plot curves.png
 
@@ -306,7 +306,7 @@ def plot_curves(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     parser.add_argument("--device", default="auto")
@@ -328,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-lr", type=float, help="override the GRPO learning rate")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any scale setting, e.g. grpo.group_size=16 sampling.temperature=1.2")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.replot:
         plot_curves(json.loads(Path(args.replot).read_text(encoding="utf-8")), Path(args.plot or "curves.png"))
         return 0
