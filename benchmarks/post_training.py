@@ -110,7 +110,7 @@ SCALES = {
         model=dict(context_length=256, d_model=384, num_layers=6, num_heads=6, d_ff=1024),
         # About 19 epochs over the worked solutions. 120 steps (7.7 epochs) were tried to keep
         # more entropy for GRPO, but the start was much weaker (18.6% held out) and GRPO then
-        # found too little reward to learn from (post_training_h200_sft120.json).
+        # found too little reward to learn from (docs/benchmarks/post_training.md, "What did not work").
         sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1, max_steps=300, log_every=20),
         sft_optim=OptimConfig(lr=1e-3, warmup_steps=12, min_lr_ratio=0.1, weight_decay=0.0),
         ei=ExpertIterationConfig(n_ei_steps=4, questions_per_step=512, group_size=4, sft_epochs=1.0),
