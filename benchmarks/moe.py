@@ -248,17 +248,14 @@ def one_command(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- report
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _summarise(run: Path) -> dict:
     from scratchlm.config import load_config
+    from scratchlm.bench.results import read_jsonl
     from scratchlm.model.accounting import count_params, forward_flops
     from scratchlm.train.config import TrainConfig
 
     cfg = load_config(TrainConfig, run / "config.toml")
-    records = _read(run / "metrics.jsonl")
+    records = read_jsonl(run / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]
     tokens_per_step = cfg.trainer.batch_size * cfg.model.context_length

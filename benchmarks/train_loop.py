@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from scratchlm.bench.profile import kernel_times
 from scratchlm.bench.reference_model import ReferenceLM, reference_adamw, window_batch
 from scratchlm.bench.results import add_ratios, environment, ratio_table, write_json
 from scratchlm.bench.timing import timed_windows
@@ -37,17 +38,10 @@ BASE = ["--trainer.compile=true", "--model.attention_backend=flash_triton"]
 
 
 def _top_kernels(step_fn, steps: int, n: int = 10) -> list[tuple[str, float]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step_fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.self_device_time_total / steps / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(t for _, t in rows)
-    return [("TOTAL device ms/step", total)] + rows[:n]
+    """The step's total GPU kernel time and its ``n`` most expensive kernels, ms per step."""
+    times = kernel_times(step_fn, steps, warmup=0)
+    rows = sorted(((name, ms) for name, (ms, _) in times.items()), key=lambda r: -r[1])
+    return [("TOTAL device ms/step", sum(ms for _, ms in rows))] + rows[:n]
 
 
 def _host_profile(step_fn, steps: int) -> dict:

@@ -22,9 +22,7 @@ import statistics
 import tomllib
 from pathlib import Path
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from scratchlm.bench.results import read_jsonl
 
 
 def scratchlm_curve(run: Path) -> dict:

@@ -2,7 +2,7 @@ import doctest
 import json
 
 import scratchlm.bench.results as results
-from scratchlm.bench.results import add_ratios, environment, ratio, ratio_table, write_json
+from scratchlm.bench.results import add_ratios, environment, ratio, ratio_table, read_jsonl, write_json
 
 
 def test_docstring_examples():
@@ -41,3 +41,9 @@ def test_ratio_table_skips_failed_rows_and_shows_missing_ratios():
                         value_format=".0f", label_width=10).splitlines()
     assert len(lines) == 3
     assert lines[1].split() == ["ref", "100", "1.000x"] and lines[2].split() == ["new", "150", "n/a"]
+
+
+def test_read_jsonl_skips_blank_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "train", "step": 1}\n\n{"event": "eval", "val_loss": 3.5}\n')
+    assert read_jsonl(path) == [{"event": "train", "step": 1}, {"event": "eval", "val_loss": 3.5}]

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-__all__ = ["environment", "write_json", "ratio", "add_ratios", "ratio_table"]
+__all__ = ["environment", "write_json", "read_jsonl", "ratio", "add_ratios", "ratio_table"]
 
 
 def environment() -> dict[str, str]:
@@ -28,6 +28,11 @@ def write_json(path: str | Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
     return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (a run's ``metrics.jsonl``), blank lines skipped."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
