@@ -10,13 +10,13 @@ causal) and 2.5x that for the backward; times are medians of triton.testing.do_b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from scratchlm.bench.results import environment, ratio, write_json
 from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, attention_flops
 
 
@@ -48,7 +48,7 @@ def _time(fn, mode, q, k, v, g, causal):
     return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
     p.add_argument("--modes", nargs="+", default=["forward", "forward_backward"])
     p.add_argument("--json", help="write all rows to this file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
@@ -89,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                         except RuntimeError as exc:  # a backend may refuse a shape
                             row[name] = {"error": str(exc).splitlines()[0][:200]}
                     tf = {n: row[n].get("tflops") for n in IMPLS}
-                    row["ratio_vs_flash"] = tf["scratchlm_triton"] / tf["sdpa_flash"] if tf["sdpa_flash"] else None
-                    row["ratio_vs_cudnn"] = tf["scratchlm_triton"] / tf["sdpa_cudnn"] if tf["sdpa_cudnn"] else None
+                    row["ratio_vs_flash"] = ratio(tf["scratchlm_triton"], tf["sdpa_flash"])
+                    row["ratio_vs_cudnn"] = ratio(tf["scratchlm_triton"], tf["sdpa_cudnn"])
                     rows.append(row)
                     fmt = lambda x: f"{x:8.1f}" if x else "     n/a"  # noqa: E731
                     rat = lambda x: f"{x:9.2f}" if x else "      n/a"  # noqa: E731
@@ -100,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             del q, k, v, g
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_json(args.json, {**environment(), "rows": rows})
     return 0
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import torch
 
+from scratchlm.bench.results import environment, write_json
 from scratchlm.kernels import flash_attention_triton as fa
 
 BLOCKS_M, BLOCKS_N, WARPS, STAGES = (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
@@ -120,22 +120,25 @@ def _best(rows, max_err: float = 2e-2):
     return min(ok)[1] if ok else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["4x16x4096x128", "1x20x32768x128"])
     p.add_argument("--noncausal", action="store_true")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
+    out = {**environment(), "shapes": []}
     for spec in args.shapes:
         B, H, T, D = (int(x) for x in spec.split("x"))
         out["shapes"].append(sweep_shape(B, H, T, D, not args.noncausal))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            write_json(args.json, out)
     for s in out["shapes"]:
         print(f"best for {'x'.join(map(str, s['shape']))}: {s['best']} (autotuned forward {s['auto_fwd_ms']:.3f} ms,"
               f" backward {s['auto_bwd_ms']:.3f} ms; best forward "

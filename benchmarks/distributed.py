@@ -30,11 +30,12 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from scratchlm.bench.results import write_json
 
 SHAPES = {
     # GPT-2 small (124M parameters with a 50257 vocabulary), tiny batch so a CPU can step it.
@@ -152,9 +153,7 @@ def comm_worker(rank: int, world: int, shape: dict, batch: int, steps: int, vari
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    from scratchlm.parallel.launch import spawn
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2-small")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
@@ -162,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-comm", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks/distributed.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scratchlm.parallel.launch import spawn
+
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks on a small CPU: one thread each
     shape = SHAPES[args.shape]
     world = 2
@@ -215,12 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         for part, skipped in (("memory", args.skip_memory), ("comm", args.skip_comm)):
             if skipped and earlier.get("shape") == args.shape:
                 report[part] = earlier.get(part, {})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_json(args.out, report)
     print(f"\nwrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     raise SystemExit(main())

@@ -12,13 +12,13 @@ scratchlm's chunked head (its per-chunk loss and softmax gradient in the Triton 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from scratchlm.bench.harness import benchmark
+from scratchlm.bench.results import environment, write_json
 from scratchlm.kernels import fused_linear_cross_entropy as flce
 from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -41,11 +41,15 @@ def _fused_compiled_chunks(h, w, t):
         flce._use_triton_rows = True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json")
     p.add_argument("--steps", type=int, default=10)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
@@ -82,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         del h, w, t
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.json, {**environment(), "rows": rows})
     return 0
 
 

@@ -91,6 +91,7 @@ def layer_command(args: argparse.Namespace) -> int:
 
     from scratchlm.bench.harness import benchmark
     from scratchlm.bench.profile import profile_table
+    from scratchlm.bench.results import write_json
     from scratchlm.model.layers import SwiGLU
     from scratchlm.model.moe import MoEFFN, grouped_mm_supported
 
@@ -153,8 +154,7 @@ def layer_command(args: argparse.Namespace) -> int:
             out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "compile": compile_, "cudagraphs": args.cudagraphs,
                    "tokens": T, "d_model": D, "d_ff": F, "rows": rows}
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=1))
+            write_json(args.json, out)
     return 0
 
 
@@ -248,17 +248,14 @@ def one_command(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- report
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _summarise(run: Path) -> dict:
     from scratchlm.config import load_config
+    from scratchlm.bench.results import read_jsonl
     from scratchlm.model.accounting import count_params, forward_flops
     from scratchlm.train.config import TrainConfig
 
     cfg = load_config(TrainConfig, run / "config.toml")
-    records = _read(run / "metrics.jsonl")
+    records = read_jsonl(run / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]
     tokens_per_step = cfg.trainer.batch_size * cfg.model.context_length
@@ -344,14 +341,16 @@ def report_command(args: argparse.Namespace) -> int:
                                    f"{r['ratio_vs_dense']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_results.json").write_text(json.dumps(result, indent=1))
+    from scratchlm.bench.results import write_json
+
+    write_json(out / "moe_results.json", result)
     table = "\n".join(layer_lines) + "\n\nTraining\n\n" + "\n".join(lines) + "\n"
     (out / "moe_results.md").write_text(table)
     print(table)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("layer")
@@ -397,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("report")
     s.add_argument("runs")
     s.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     commands = {"layer": layer_command, "train": train_command, "throughput": throughput_command,
                 "one": one_command, "report": report_command}
     return commands[args.command](args)

@@ -3,7 +3,7 @@
     python benchmarks/post_training.py --scale tiny            # CPU, a few minutes
     python benchmarks/post_training.py --scale small           # CPU, difficulty 2, ~10 minutes
     python benchmarks/post_training.py --scale full --device cuda \
-        --json docs/benchmarks/post_training_full.json --plot docs/benchmarks/post_training_full.png
+        --json docs/benchmarks/post_training.json --plot docs/benchmarks/post_training.png
     python benchmarks/post_training.py --scale full --set grpo.max_seconds=120 sampling.temperature=1.2
     python benchmarks/post_training.py --replot results.json --plot curves.png
 
@@ -110,7 +110,7 @@ SCALES = {
         model=dict(context_length=256, d_model=384, num_layers=6, num_heads=6, d_ff=1024),
         # About 19 epochs over the worked solutions. 120 steps (7.7 epochs) were tried to keep
         # more entropy for GRPO, but the start was much weaker (18.6% held out) and GRPO then
-        # found too little reward to learn from (post_training_h200_sft120.json).
+        # found too little reward to learn from (docs/benchmarks/post_training.md, "What did not work").
         sft=SFTConfig(micro_batch_size=64, grad_accum_steps=1, max_steps=300, log_every=20),
         sft_optim=OptimConfig(lr=1e-3, warmup_steps=12, min_lr_ratio=0.1, weight_decay=0.0),
         ei=ExpertIterationConfig(n_ei_steps=4, questions_per_step=512, group_size=4, sft_epochs=1.0),
@@ -306,7 +306,7 @@ def plot_curves(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     parser.add_argument("--device", default="auto")
@@ -328,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-lr", type=float, help="override the GRPO learning rate")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any scale setting, e.g. grpo.group_size=16 sampling.temperature=1.2")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.replot:
         plot_curves(json.loads(Path(args.replot).read_text(encoding="utf-8")), Path(args.plot or "curves.png"))
         return 0

@@ -3,10 +3,10 @@
     python benchmarks/step_breakdown.py [--shape gpt2small] [--variant cudagraphs] [--rows 30]
         [--json out.json]
 
-Builds the two steps of `train_step.py` at one of its shapes: the reference that compiles its
-model and loss together (its faster form) and one scratchlm variant of `train_step.VARIANTS`
-(default "cudagraphs": fused LM head, Triton AdamW, CUDA graphs). Each is timed (median of
-synchronised steps and back to back, as in `train_step.py`), then profiled over two steps:
+Builds the two steps of `train_step.py` (`scratchlm.bench.training_step`) at one of its shapes:
+the reference that compiles its model and loss together (its faster form) and one scratchlm
+variant of `VARIANTS` (default "cudagraphs": fused LM head, Triton AdamW, CUDA graphs). Each is
+timed (median of synchronised steps and back to back, as in `train_step.py`), then profiled over two steps:
 milliseconds per step of each kernel class (`scratchlm.bench.profile.KERNEL_CLASSES`: matmul,
 attention, loss, optimizer, Inductor's fused kernels, other) side by side, and each step's
 largest kernels. The profiler adds some time to every kernel, so its totals run a few percent
@@ -16,17 +16,18 @@ above the timed step; compare the two sides within one run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-import train_step as ts
 from scratchlm.bench.profile import kernel_breakdown, kernel_times
+from scratchlm.bench.results import write_json
+from scratchlm.bench.training_step import (SHAPES, VARIANTS, make_reference, make_scratchlm, measure_step,
+                                           reference_flops_per_token)
 
 
 def measure(name: str, make, shape: dict, rows: int) -> dict:
-    """`train_step._measure`'s row for the step, plus its kernels over two profiled steps."""
+    """`measure_step`'s row for the step, plus its kernels over two profiled steps."""
 
     def profile(step, row):
         times = kernel_times(step, steps=2)
@@ -35,27 +36,30 @@ def measure(name: str, make, shape: dict, rows: int) -> dict:
         row.update(classes_ms=kernel_breakdown(times), kernels={k: list(v) for k, v in times.items()})
 
     torch._dynamo.reset()
-    flops_token = ts.model_flops_per_token(ts._ref_flops_model(shape), shape["context_length"])
-    return ts._measure(name, make, shape, 3, 10, flops_token, after=profile)
+    return measure_step(name, make, shape, 3, 10, reference_flops_per_token(shape), after=profile)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=[k for k in SHAPES if k != "longctx"], default="gpt2small")
+    p.add_argument("--variant", choices=list(VARIANTS), default="cudagraphs")
+    p.add_argument("--rows", type=int, default=30, help="largest kernels listed per step")
+    p.add_argument("--json")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=[k for k in ts.SHAPES if k != "longctx"], default="gpt2small")
-    p.add_argument("--variant", choices=list(ts.VARIANTS), default="cudagraphs")
-    p.add_argument("--rows", type=int, default=30, help="largest kernels listed per step")
-    p.add_argument("--json")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("step_breakdown needs a CUDA device", file=sys.stderr)
         return 2
-    shape = ts.SHAPES[args.shape]
-    label, kwargs = ts.VARIANTS[args.variant]
+    shape = SHAPES[args.shape]
+    label, kwargs = VARIANTS[args.variant]
     holder: dict = {}
-    results = [measure("torch.nn reference, model + loss compiled", ts.make_reference(shape, holder, True),
+    results = [measure("torch.nn reference, model + loss compiled", make_reference(shape, holder, True),
                        shape, args.rows)]
     holder.clear()
-    results.append(measure(label, ts.make_scratchlm(shape, holder, **kwargs), shape, args.rows))
+    results.append(measure(label, make_scratchlm(shape, holder, **kwargs), shape, args.rows))
     holder.clear()
     if any("error" in r for r in results):
         return 1
@@ -69,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  speed ratio, scratchlm vs reference: {ratio:.3f}x synchronised, "
           f"{results[0]['back_to_back_s'] / results[1]['back_to_back_s']:.3f}x back to back")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, **shape, "rows": results}, f, indent=1)
+        write_json(args.json, {"shape": args.shape, **shape, "rows": results})
     return 0
 
 

@@ -8,7 +8,7 @@ What is timed is the real thing on each side, on the same random token file:
 - scratchlm: `scratchlm.train.trainer.Trainer._train_step`, the step of `scratchlm train`
   (batch from the memmap sampler, forward under bf16 autocast, loss, backward, clipping,
   scratchlm's AdamW, scheduled lr), built from `configs/tinystories-17m.toml` plus overrides.
-- reference: the step of `benchmarks/reference_trainer.py` (nn.Linear / nn.RMSNorm / SDPA,
+- reference: the step of `benchmarks/reference_trainer.py` (`scratchlm.bench.reference_model`: nn.Linear / nn.RMSNorm / SDPA,
   F.cross_entropy, clip_grad_norm_, fused torch.optim.AdamW, torch.compile), same shape.
 
 Steps run back to back (as in training) and the device is synchronised once per window of
@@ -20,7 +20,6 @@ lists one step's top-level host ops and CUDA-graph launches in order (what runs 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,36 +29,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_trainer import ReferenceLM  # noqa: E402
+from scratchlm.bench.profile import kernel_times
+from scratchlm.bench.reference_model import ReferenceLM, reference_adamw, window_batch
+from scratchlm.bench.results import add_ratios, environment, ratio_table, write_json
+from scratchlm.bench.timing import timed_windows
 
 BASE = ["--trainer.compile=true", "--model.attention_backend=flash_triton"]
 
 
-def _windows(step_fn, steps: int, windows: int) -> list[float]:
-    times = []
-    for _ in range(windows):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step_fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / steps)
-    return times
-
-
 def _top_kernels(step_fn, steps: int, n: int = 10) -> list[tuple[str, float]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step_fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.self_device_time_total / steps / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(t for _, t in rows)
-    return [("TOTAL device ms/step", total)] + rows[:n]
+    """The step's total GPU kernel time and its ``n`` most expensive kernels, ms per step."""
+    times = kernel_times(step_fn, steps, warmup=0)
+    rows = sorted(((name, ms) for name, (ms, _) in times.items()), key=lambda r: -r[1])
+    return [("TOTAL device ms/step", sum(ms for _, ms in rows))] + rows[:n]
 
 
 def _host_profile(step_fn, steps: int) -> dict:
@@ -136,10 +118,7 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compil
     m = cfg.model
     model = ReferenceLM(m.vocab_size, m.context_length, m.d_model, m.num_layers, m.num_heads, m.d_ff,
                         m.rope_theta).cuda()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = reference_adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     # the compiled model with the loss after it (eager), or model and loss in one compiled graph
     loss_fn, target = (torch.compile(_ref_loss, mode=mode), model) if compile_loss else (
         _ref_loss, torch.compile(model, mode=mode))
@@ -150,10 +129,7 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compil
     def step():
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        starts = rng.integers(0, len(tokens) - T - 1, size=batch)
-        rows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int64)
-        t = torch.from_numpy(rows).pin_memory().to("cuda", non_blocking=True)
-        x, y = t[:, :-1], t[:, 1:]
+        x, y = window_batch(tokens, rng.integers(0, len(tokens) - T - 1, size=batch), T, "cuda")
         loss = loss_fn(target, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -163,7 +139,7 @@ def reference_step(bin_path: str, batch: int, cfg, mode: str = "default", compil
     return step
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=50, help="steps per timed window")
@@ -180,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-trace", action="store_true",
                    help="the top-level host ops and CUDA-graph launches of one step, in order")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
@@ -191,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp())
     bin_path = str(tmp / "tokens.bin")
     np.random.default_rng(0).integers(0, 10_000, size=20_000_000, dtype=np.uint16).tofile(bin_path)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch, "rows": []}
+    results = {**environment(), "batch": args.batch, "rows": []}
     cfg = None
     steps = {}
     for name, overrides in variants.items():
@@ -217,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
             continue
         warm_s = time.perf_counter() - t0
-        times = _windows(step, args.steps, args.windows)
+        times = timed_windows(step, args.steps, args.windows, device="cuda")
         med = float(np.median(times))
         row = {"variant": name, "overrides": variants.get(name, []), "step_ms": med * 1e3,
                "step_ms_all": [t * 1e3 for t in times], "tokens_per_s": tokens_per_step / med,
@@ -241,13 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     ref = next((r for r in results["rows"] if r["variant"] == "reference"), None)
     if ref is None:
         return 1
-    for r in results["rows"]:
-        r["ratio_vs_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
-    print("\nvariant                      tok/s      ratio vs reference")
-    for r in results["rows"]:
-        print(f"{r['variant']:<28}{r['tokens_per_s']:10.0f}   {r['ratio_vs_reference']:.3f}x")
+    add_ratios(results["rows"], ref, {"ratio_vs_reference": "tokens_per_s"})
+    print()
+    print(ratio_table(results["rows"], label="variant", value="tokens_per_s", ratio_key="ratio_vs_reference",
+                      header=("variant", "tok/s", "vs ref"), value_format=".0f"))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0
 
 

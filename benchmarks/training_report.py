@@ -1,25 +1,28 @@
-"""Tables and curves for the training benchmark (benchmarks/training_h200.sh).
+"""Tables and curves for the training benchmark (docs/benchmarks/training.md).
 
 Reads ``RUNS/<name>/metrics.jsonl`` of scratchlm runs (train records carry ``tokens_per_s`` over
 the window since the previous record; eval records ``val_loss``) and of the torch.nn reference
 (``RUNS/reference``: eval records carry ``tokens`` and ``train_seconds``), rebuilds each run's
 validation loss against tokens and against training seconds, and writes ``training.json``,
-``training.md`` (the table) and ``training_curves.png``.
+``training.md`` (the table) and ``training_curves.png`` to ``--out``.
 
-    python benchmarks/training_report.py /tmp/gutenberg/runs --out docs/benchmarks
+With ``--seeds FILE``, also the seed study: the runs named ``scratchlm_s<N>`` and
+``reference_s<N>`` (the same seed N on both sides), each side's final validation loss per seed,
+their difference and its mean, written to FILE as ``{"val_loss_by_step": {run: {step: loss}}}``.
+
+    python benchmarks/training_report.py RUNS --out OUT [--seeds OUT/seeds.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tomllib
 from pathlib import Path
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from scratchlm.bench.results import read_jsonl
 
 
 def scratchlm_curve(run: Path) -> dict:
@@ -55,20 +58,56 @@ def reference_curve(run: Path) -> dict:
             "peak_memory_gb": (summary.get("peak_memory_bytes") or 0) / 1e9}
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seeds", type=Path, metavar="FILE",
+                        help="also compare the seed runs (scratchlm_sN, reference_sN) and write them to FILE")
+    return parser
+
+
+def seed_study(runs: Path) -> tuple[dict[str, dict[int, float]], list[str]]:
+    """({run: {step: val_loss}} of the seed runs under ``runs``, the printed comparison lines)."""
+    final = {}
+    for run in sorted(runs.iterdir()):
+        if not re.search(r"_s\d+$", run.name) or not (run / "metrics.jsonl").is_file():
+            continue
+        evals = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("event") == "eval"]
+        final[run.name] = {e["step"]: e["val_loss"] for e in evals}
+    seeds = sorted({name.rsplit("_s", 1)[-1] for name in final}, key=int)
+
+    def last(name):
+        return final[name][max(final[name])] if final.get(name) else None
+
+    pairs = {s: (last(f"scratchlm_s{s}"), last(f"reference_s{s}")) for s in seeds}
+    lines = []
+    for s, (a, b) in pairs.items():
+        lines.append(f"seed {s}: scratchlm {a}  reference {b}" + (f"  delta {a - b:+.4f}" if a and b else ""))
+    both = [(a, b) for a, b in pairs.values() if a and b]
+    if both:
+        lines.append(f"mean: scratchlm {statistics.mean(a for a, _ in both):.4f}  reference "
+                     f"{statistics.mean(b for _, b in both):.4f}  delta {statistics.mean(a - b for a, b in both):+.4f}")
+    return final, lines
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     results = {}
     for run in sorted(p for p in args.runs.iterdir() if p.is_dir()):
         try:
-            results[run.name] = reference_curve(run) if run.name == "reference" else scratchlm_curve(run)
+            results[run.name] = (reference_curve(run) if run.name.split("_s")[0] == "reference"
+                              else scratchlm_curve(run))
         except (OSError, KeyError, ValueError) as exc:
             results[run.name] = {"error": f"{type(exc).__name__}: {exc}"}
     (args.out / "training.json").write_text(json.dumps(results, indent=2))
+    if args.seeds:
+        final, lines = seed_study(args.runs)
+        print("\n".join(lines))
+        args.seeds.parent.mkdir(parents=True, exist_ok=True)
+        args.seeds.write_text(json.dumps({"val_loss_by_step": final}, indent=2))
 
     base = results.get("scratchlm", {})
     ref = results.get("reference", {})

@@ -1,0 +1,71 @@
+"""Timing steps back to back, as a training loop runs them.
+
+`scratchlm.bench.harness.benchmark` synchronises the device around every step, which adds each
+step's launch latency before its first kernel. A training loop does not wait: the host queues
+the next step while the device works. The functions here time a run of steps with one
+synchronisation at the end, and report seconds per step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["back_to_back", "timed_windows"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def timed_windows(step: Callable[[], Any], steps: int, windows: int, *,
+                  device: str | torch.device | None = None) -> list[float]:
+    """Seconds per step of each of ``windows`` windows of ``steps`` back-to-back steps (host clock,
+    the device synchronised before and after each window)."""
+    if steps < 1 or windows < 1:
+        raise ValueError(f"steps and windows must be >= 1, got {steps} and {windows}")
+    dev = _device(device)
+    times = []
+    for _ in range(windows):
+        _synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _synchronize(dev)
+        times.append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def back_to_back(step: Callable[[], Any], steps: int, repeats: int = 3, *,
+                 device: str | torch.device | None = None) -> float:
+    """Seconds per step of ``steps`` steps run back to back, the median of ``repeats`` such runs.
+
+    On CUDA the run is bracketed by CUDA events (device time from the first step's start to the
+    last step's end); elsewhere by the host clock. With an even ``repeats`` the upper median.
+    """
+    if steps < 1 or repeats < 1:
+        raise ValueError(f"steps and repeats must be >= 1, got {steps} and {repeats}")
+    dev = _device(device)
+    if dev.type != "cuda":
+        per_step = timed_windows(step, steps, repeats, device=dev)
+        return sorted(per_step)[len(per_step) // 2]
+    per_step = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        per_step.append(start.elapsed_time(end) / 1e3 / steps)
+    return sorted(per_step)[len(per_step) // 2]
