@@ -31,7 +31,7 @@ SIZES: dict[str, dict[str, int]] = {
     "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
     "medium": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
     "large": dict(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
-    "xl": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
 }
 MODES = ("forward", "forward_backward", "train_step")

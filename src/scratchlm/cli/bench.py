@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from scratchlm.bench.run import MODES, PRECISIONS, SIZES, BenchOptions, run_bench
+from scratchlm.model.attention_backends import attention_backend_names
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, help="overrides model.vocab_size (default 10000 without a config)")
     p.add_argument("--precision", choices=PRECISIONS, help="default: bf16_autocast on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--attention-backend", choices=("math", "flash_torch", "flash_triton"))
+    p.add_argument("--attention-backend", choices=attention_backend_names())
     p.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
                    help="checkpoint every N-th block (0: off)")
     p.add_argument("--fused-lm-head", action="store_true", help="chunked fused linear + cross-entropy loss")

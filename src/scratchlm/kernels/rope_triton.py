@@ -8,7 +8,7 @@ once to qkv's dtype), with cos/sin (T, d/2) shared by the batch or (B, T, d/2) p
 The kernel (bfloat16; other dtypes take the torch formula) loads and stores each pair of q and
 k as one 32-bit word. On an H200 at GPT-2-small size it moves its 200 MB in 55 us (3.6 TB/s,
 three quarters of the memory bandwidth) where Inductor's kernel for the same torch ops took
-100 us (docs/benchmarks/train_step.md, run 9).
+100 us (docs/benchmarks/train_step.md).
 
 It is the op ``scratchlm::rope_qk`` (a triton_op where torch has it: Inductor launches the
 kernel itself); it has no autograd formula of its own, being used inside

@@ -33,7 +33,7 @@ class ModelConfig:
     fused_projections: bool = True
     # With fused_projections and attention_backend="flash_triton" on CUDA: q|k|v go whole into the
     # attention, whose backward undoes RoPE in its kernels and hands back one gradient, so q/k/v's
-    # backward is one matmul each way too (docs/benchmarks/train_step.md, run 8).
+    # backward is one matmul each way too (docs/benchmarks/train_step.md).
     packed_qkv_backward: bool = True
     moe_num_experts: int = 8  # ffn="moe": routed experts per layer, each a SwiGLU of width d_ff
     moe_top_k: int = 2  # ffn="moe": experts each token is sent to
