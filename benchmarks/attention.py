@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scratchlm.bench.results import environment, ratio, write_json
-from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, attention_flops
+from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton
+from scratchlm.model.accounting import attention_flops
 
 
 def _sdpa(backend):

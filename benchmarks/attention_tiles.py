@@ -27,6 +27,7 @@ import torch
 
 from scratchlm.bench.results import environment, write_json
 from scratchlm.kernels import flash_attention_triton as fa
+from scratchlm.model.accounting import attention_flops
 
 BLOCKS_M, BLOCKS_N, WARPS, STAGES = (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
 
@@ -65,7 +66,7 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
     result = {"shape": [B, H, T, D], "causal": causal, "auto": auto,
               "auto_fwd_ms": bench(lambda: fa._forward_triton(q, k, v, causal)),
               "auto_bwd_ms": bench(lambda: fa._backward_triton(do, q, k, v, o_ref, lse_ref, causal))}
-    flops = fa.attention_flops(B, H, T, D, causal, "forward")
+    flops = attention_flops(B, H, T, D, causal, "forward")
     print(f"{B}x{H}x{T}x{D} causal={causal}: autotuned forward {result['auto_fwd_ms']:.3f} ms, "
           f"backward {result['auto_bwd_ms']:.3f} ms", flush=True)
     o, lse = fa._alloc_out(q), torch.empty_like(lse_ref)

@@ -38,12 +38,19 @@ def test_generate_command_prints_completions(ckpt, capsys):
     assert "sample 1/2" in out and "sample 2/2" in out and "tokens/s" in out
     lines = out.splitlines()
     assert lines[1].startswith("ab") and lines[3].startswith("hello")
-    assert "float32" in lines[-1]
+    assert "fp32" in lines[-1]  # dtypes are printed by their canonical names
 
 
-def test_generate_command_bfloat16(ckpt, capsys):
-    assert generate_command([str(ckpt), "--max-new-tokens", "4", "--dtype", "bfloat16", "--device", "cpu"]) == 0
-    assert "bfloat16" in capsys.readouterr().out
+@pytest.mark.parametrize("spelling", ["bfloat16", "bf16"])
+def test_generate_command_bfloat16(ckpt, capsys, spelling):
+    assert generate_command([str(ckpt), "--max-new-tokens", "4", "--dtype", spelling, "--device", "cpu"]) == 0
+    assert "bf16, batch" in capsys.readouterr().out
+
+
+def test_generate_command_rejects_an_unknown_dtype(ckpt, capsys):
+    with pytest.raises(SystemExit):
+        generate_command([str(ckpt), "--dtype", "int8", "--device", "cpu"])
+    assert "unknown dtype 'int8'" in capsys.readouterr().err
 
 
 def test_cached_and_uncached_commands_agree(ckpt, capsys):

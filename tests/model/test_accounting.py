@@ -169,3 +169,27 @@ def test_report_keys_and_consistency():
     assert set(report["train_memory_bytes"]) == {"static", "activations_per_sequence"}
     assert sum(report["forward_flops_breakdown"].values()) == report["forward_flops"]
     assert report["train_flops_per_sequence"] == 3 * report["forward_flops"]
+
+
+def test_matmul_and_attention_flops_by_hand():
+    from scratchlm.model.accounting import attention_flops, matmul_flops
+
+    assert matmul_flops(3, 5, 7) == 2 * 3 * 5 * 7
+    full = 4 * 2 * 3 * 128 * 128 * 64  # q·kᵀ and p·v over (B=2, H=3, T=128, d=64)
+    assert attention_flops(2, 3, 128, 64) == full
+    assert attention_flops(2, 3, 128, 64, True) == full // 2
+    assert attention_flops(2, 3, 128, 64, True, "backward") == 2.5 * full // 2
+    assert attention_flops(2, 3, 128, 64, False, "forward_backward") == 3.5 * full
+    with pytest.raises(ValueError, match="mode"):
+        attention_flops(1, 1, 8, 8, mode="sideways")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_flops_per_token_of_a_built_model_by_hand(tie):
+    from scratchlm.model.accounting import model_flops_per_token
+
+    cfg = ModelConfig(vocab_size=100, d_model=8, num_layers=1, num_heads=2, d_ff=16, tie_embeddings=tie)
+    model = build_model(cfg)
+    # q, k, v, o (4·8·8) + SwiGLU (3·8·16) + the LM head (100·8), which the tied embedding shares
+    matrices = 4 * 64 + 3 * 8 * 16 + 100 * 8
+    assert model_flops_per_token(model, 4) == 2 * matrices + 2 * 1 * 4 * 8  # + causal attention 2·L·T·D

@@ -15,20 +15,14 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["BenchmarkResult", "benchmark", "H200_BF16_DENSE_PEAK", "H200_BF16_MEASURED_MATMUL", "peak_flops"]
+from scratchlm.device import gpu_peak_flops
 
-# Dense bf16 tensor-core rate of an H100/H200 SXM by its datasheet (FLOP/s).
-H200_BF16_DENSE_PEAK = 989e12
+__all__ = ["BenchmarkResult", "benchmark", "H200_BF16_DENSE_PEAK", "H200_BF16_MEASURED_MATMUL"]
+
+# Dense bf16 tensor-core rate of an H200 SXM by its datasheet (FLOP/s; an H100 SXM's too).
+H200_BF16_DENSE_PEAK = gpu_peak_flops("H200", "bf16")
 # An 8192^3 bf16 matmul through PyTorch on the H200 used for the benchmarks in docs/benchmarks.
 H200_BF16_MEASURED_MATMUL = 753e12
-# Plain float32 (no tensor cores) and TF32 datasheet rates of the same chip.
-H200_FP32_PEAK = 67e12
-H200_TF32_DENSE_PEAK = 494.5e12
-
-
-def peak_flops(precision: str) -> float:
-    """Datasheet peak used for MFU: bf16 dense for bf16/autocast, TF32 for fp32 matmuls."""
-    return H200_BF16_DENSE_PEAK if precision.startswith("bf16") else H200_TF32_DENSE_PEAK
 
 
 @dataclass

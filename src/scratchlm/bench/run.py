@@ -5,9 +5,11 @@ requested mode with `scratchlm.bench.harness.benchmark` and returns the results 
 (the `scratchlm bench` command prints it as a table or JSON).
 
 Reports mean ± std per mode, peak memory, tokens/s and MFU. MFU counts the matmul FLOPs of
-the model (2 per weight per token forward, causal attention scores and values) times 3 for a
-training step, against the H200's datasheet dense bf16 rate (989 TFLOP/s), and also against
-the measured bf16 matmul rate on that machine (753 TFLOP/s).
+the model (`scratchlm.model.accounting.model_flops_per_token`: 2 per weight per token forward,
+causal attention scores and values) times 3 for a training step, against the device's datasheet
+dense rate (`scratchlm.device.peak_flops`: bf16 for the bf16 precisions, TF32 for fp32; 989 and
+494.5 TFLOP/s on an H100 or H200 SXM), and also against the measured bf16 matmul rate of the
+H200 used for docs/benchmarks (753 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark, peak_flops
+from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark
 from scratchlm.bench.profile import add_layer_nvtx_ranges, memory_snapshot, nvtx_range, profile_table
+from scratchlm.device import peak_flops, resolve_device
 from scratchlm.errors import UserError
+from scratchlm.model.accounting import TRAIN_FORWARDS, model_flops_per_token
 
 __all__ = ["BenchOptions", "MODES", "PRECISIONS", "SIZES", "model_flops_per_token", "run_bench"]
 
@@ -86,17 +90,6 @@ def _model_config(options: BenchOptions, overrides: list[str]):
         raise UserError(str(exc)) from None
 
 
-def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Forward matmul FLOPs per token: 2 per weight of every matrix except the embedding
-    table (a lookup), plus causal attention (q·k and p·v: 2·T·d_model per layer and token)."""
-    emb = getattr(model, "token_embeddings", None)
-    skip = {id(emb.weight)} if emb is not None and not getattr(model, "tie_embeddings", False) else set()
-    matrix_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
-    layers = len(getattr(model, "layers", []))
-    d_model = getattr(model, "d_model", 0)
-    return 2.0 * matrix_params + 2.0 * layers * seq_len * d_model
-
-
 def _loss_fn(model, fused: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if fused:
         from scratchlm.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -144,9 +137,7 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
 
 def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     """The device and precision to run at, after checking the sizes asked for."""
-    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda given but no CUDA device is available")
+    device = resolve_device(options.device or "auto")
     precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
     if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
         raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")
@@ -264,10 +255,11 @@ def _summarise(stats: BenchmarkResult, mode: str, tokens: int, flops_token: floa
                device: torch.device) -> dict[str, Any]:
     out = stats.to_dict()
     out["tokens_per_s"] = tokens / stats.mean
-    factor = 1.0 if mode == "forward" else 3.0
+    factor = 1.0 if mode == "forward" else float(TRAIN_FORWARDS)
     achieved = factor * flops_token * tokens / stats.mean
     out["tflops"] = achieved / 1e12
     if device.type == "cuda":
-        out["mfu"] = achieved / peak_flops(precision)
+        peak = peak_flops(device, "bf16" if precision.startswith("bf16") else "tf32")
+        out["mfu"] = achieved / peak if peak else None
         out["mfu_vs_measured_matmul"] = achieved / H200_BF16_MEASURED_MATMUL
     return out

@@ -23,11 +23,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from scratchlm.bench.run import model_flops_per_token
 from scratchlm.bench.harness import H200_BF16_DENSE_PEAK, H200_BF16_MEASURED_MATMUL, benchmark
 from scratchlm.bench.reference_model import ReferenceLM
 from scratchlm.bench.results import add_ratios
 from scratchlm.bench.timing import back_to_back
+from scratchlm.model.accounting import TRAIN_FORWARDS, model_flops_per_token
 
 __all__ = ["SHAPES", "VARIANTS", "model_kwargs", "reference_model", "reference_flops_per_token", "step_fn",
            "plain_loss", "fused_loss", "scratchlm_model", "make_reference", "make_scratchlm", "measure_step",
@@ -194,7 +194,7 @@ def measure_step(name: str, make: Maker, shape: dict[str, int], warmup: int, ste
         return {"variant": name, "error": "out of memory"}
     b2b = back_to_back(step, steps, b2b_repeats)
     tokens_s = B * T / r.median
-    achieved = 3 * flops_token * tokens_s
+    achieved = TRAIN_FORWARDS * flops_token * tokens_s
     row = {"variant": name, "median_s": r.median, "mean_s": r.mean, "std_s": r.std, "tokens_per_s": tokens_s,
            "back_to_back_s": b2b, "tokens_per_s_back_to_back": B * T / b2b,
            "tflops": achieved / 1e12, "mfu_989": achieved / H200_BF16_DENSE_PEAK,

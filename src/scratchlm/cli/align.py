@@ -24,18 +24,6 @@ from scratchlm.errors import UserError
 log = logging.getLogger("scratchlm.align")
 
 
-def resolve_device(name: str):
-    """torch.device for "auto" (CUDA when present), or the named device."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
 class MetricsWriter:
     """Appends metric dicts to ``metrics.jsonl`` and logs a short line for each."""
 
@@ -74,6 +62,7 @@ def _setup(cfg: Any):
     from scratchlm.align.prompts import get_template
     from scratchlm.align.reward_registry import select_reward
     from scratchlm.config import save_config
+    from scratchlm.device import resolve_device
 
     if not cfg.policy.path:
         raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
@@ -196,6 +185,7 @@ def eval_math_command(argv: list[str]) -> int:
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
     from scratchlm.align.reward_registry import select_reward
+    from scratchlm.device import resolve_device
 
     template = get_template(args.template)
     reward_fn = select_reward("", template=args.template, dataset=args.dataset)

@@ -25,28 +25,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, mps ...")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="weights and activations; auto is bfloat16 on cuda, float32 elsewhere")
+    p.add_argument("--dtype", type=_dtype_arg, default="auto",
+                   help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
+                        "auto is bf16 on cuda, fp32 elsewhere")
     return p
 
 
-def resolve_device(name: str) -> str:
-    """The torch device for a --device value; "auto" picks cuda, then mps, then cpu."""
-    import torch
+def _dtype_arg(name: str) -> str:
+    """A --dtype value: auto, or a dtype name in either spelling, made canonical (bf16, fp32, fp16)."""
+    from scratchlm.dtypes import canonical_dtype
 
     if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
+        return name
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} asked for, but CUDA is not available")
-    return name
+        return canonical_dtype(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -64,15 +58,15 @@ def generate_command(argv: list[str]) -> int:
     """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
     args = _parser().parse_args(argv)
     _check_args(args)
-    import torch
-
+    from scratchlm.device import resolve_device
+    from scratchlm.dtypes import torch_dtype
     from scratchlm.infer.generate import generate
     from scratchlm.train.checkpoint import load_trained_model
 
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_trained_model(args.checkpoint, device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    model.to(getattr(torch, dtype))
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    model.to(torch_dtype(dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer/ directory beside it, so text prompts cannot be encoded")
     eos_id = getattr(tokenizer, "special_token_ids", {}).get(EOT)

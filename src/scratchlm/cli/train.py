@@ -111,10 +111,10 @@ def evaluate_run(run: str, data: str, *, batches: int, batch_size: int, device: 
     import torch
 
     from scratchlm.data.batch import iterate_eval_batches
+    from scratchlm.device import resolve_device
     from scratchlm.train.checkpoint import load_trained_model, resolve_checkpoint
     from scratchlm.train.data_feed import evaluate, open_checked
     from scratchlm.train.metrics import perplexity
-    from scratchlm.train.trainer import resolve_device
 
     dev = resolve_device(device)
     model, model_cfg, _ = load_trained_model(run, device=dev)

@@ -740,10 +740,3 @@ class FlashAttentionTriton(torch.autograd.Function):
         dq, dk, dv = flash_attention_backward_op(grad_out, q, k, v, out, lse, ctx.is_causal)
         return dq, dk, dv, None
 
-
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int, is_causal: bool,
-                    mode: str = "forward") -> float:
-    """Matmul FLOPs of attention: 4·B·H·T²·d forward (halved when causal), 2.5x that backward."""
-    flops = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if is_causal else 1.0)
-    return {"forward": flops, "backward": 2.5 * flops, "forward_backward": 3.5 * flops}[mode]
-

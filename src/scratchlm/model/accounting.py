@@ -13,12 +13,17 @@ Conventions (the usual ones of scaling-law accountings, so figures compare with 
   ``2·(2·T·T·d_model)`` per layer. Causal masking is *not* halved: a dense kernel computes
   the masked half too, and the published accountings (Kaplan et al., Chinchilla, MFU
   figures) use the full product. A causal-aware kernel does about half of this term.
-- Training costs three forwards (backward = 2× forward for matmuls), reported as
-  ``train_flops_per_sequence``.
+- Training costs three forwards (backward = 2× forward for matmuls, `TRAIN_FORWARDS`),
+  reported as ``train_flops_per_sequence``.
 - MoE layers count only the experts a token is routed to (``top_k`` plus shared experts)
   in FLOPs and in ``active`` parameters, and every expert in ``total`` parameters. With a
   capacity factor some tokens are dropped; the FLOPs stay those of the dropless routing
   (an upper bound on the useful work).
+
+This module owns the FLOP formulas of the whole package: `matmul_flops` and `attention_flops`
+(also what the attention kernels' benchmarks count), `forward_flops` of a config (`scratchlm
+account`, the trainer's MFU) and `model_flops_per_token` of a built model (the benchmarks' MFU,
+which counts every weight matrix and causal attention).
 
 MoE fields are read with ``getattr`` and defaults, so this module works with a ModelConfig
 whether or not it carries them yet: ``moe_num_experts`` (8), ``moe_top_k`` (2),
@@ -34,6 +39,40 @@ from typing import Any
 FP32_BYTES = 4
 # fp32 weights + fp32 gradients + AdamW's two fp32 moments.
 STATIC_BYTES_PER_PARAM = 16
+# Forward passes' worth of matmul FLOPs in a training step: the backward pass computes the
+# gradients of both operands of every matmul, twice the forward's work.
+TRAIN_FORWARDS = 3
+# FLOPs of an attention pass relative to its forward. The flash backward recomputes the scores
+# (q·kᵀ) and runs four more products (dv, dp, dq, dk): five matmuls against the forward's two.
+_ATTENTION_PASS = {"forward": (1, 1), "backward": (5, 2), "forward_backward": (7, 2)}
+
+
+def matmul_flops(m: int, k: int, n: int) -> int:
+    """FLOPs of an (m, k) by (k, n) matrix product: one multiply and one add per term.
+
+    >>> matmul_flops(2, 3, 4)
+    48
+    """
+    return 2 * m * k * n
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, is_causal: bool = False,
+                    mode: str = "forward") -> int:
+    """Matmul FLOPs of attention over (batch, heads, seq, head_dim) queries, keys and values.
+
+    Forward: the products q·kᵀ and p·v, ``4·B·H·T²·d``, halved when causal (what a causal-aware
+    kernel computes). ``mode`` "backward" is 2.5× the forward, "forward_backward" 3.5×.
+
+    >>> attention_flops(1, 1, 4, 8), attention_flops(1, 1, 4, 8, True, "forward_backward")
+    (512, 896)
+    """
+    if mode not in _ATTENTION_PASS:
+        raise ValueError(f"mode must be one of {', '.join(_ATTENTION_PASS)}, got {mode!r}")
+    forward = 2 * matmul_flops(batch * heads * seq, head_dim, seq)
+    if is_causal:
+        forward //= 2
+    times, per = _ATTENTION_PASS[mode]
+    return times * forward // per
 
 
 def moe_shape(cfg: Any) -> dict[str, Any]:
@@ -108,24 +147,40 @@ def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
     """
     T = cfg.context_length if seq_len is None else seq_len
     V, D, L, F = cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff
+    expert = 3 * matmul_flops(T, D, F)  # SwiGLU: w1, w3 (D -> F) and w2 (F -> D)
     if cfg.ffn == "swiglu":
-        ffn = 3 * 2 * T * D * F
+        ffn = expert
     elif cfg.ffn == "silu":
-        ffn = 2 * 2 * T * D * F
+        ffn = 2 * matmul_flops(T, D, F)
     elif cfg.ffn == "moe":
         moe = moe_shape(cfg)
-        router = 2 * T * D * moe["num_experts"]
-        ffn = router + (moe["top_k"] + moe["shared"]) * 3 * 2 * T * D * F
+        ffn = matmul_flops(T, D, moe["num_experts"]) + (moe["top_k"] + moe["shared"]) * expert
     else:
         raise ValueError(f"unknown ffn {cfg.ffn!r}")
     parts = {
-        "qkvo": L * 4 * 2 * T * D * D,
-        "attention": L * 2 * (2 * T * T * D),
+        "qkvo": L * 4 * matmul_flops(T, D, D),
+        "attention": L * attention_flops(1, 1, T, D),
         "ffn": L * ffn,
-        "lm_head": 2 * T * D * V,
+        "lm_head": matmul_flops(T, D, V),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """Forward matmul FLOPs per token of a built model: 2 per weight of every matrix except the
+    embedding table (a lookup), plus causal attention (q·kᵀ and p·v: 2·T·d_model per layer and
+    token). Unlike `forward_flops`, MoE layers count every expert's weights.
+
+    Reads scratchlm's attribute names: ``token_embeddings``, ``layers``, ``d_model``,
+    ``tie_embeddings``.
+    """
+    emb = getattr(model, "token_embeddings", None)
+    skip = {id(emb.weight)} if emb is not None and not getattr(model, "tie_embeddings", False) else set()
+    matrix_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+    layers = len(getattr(model, "layers", []))
+    d_model = getattr(model, "d_model", 0)
+    return 2.0 * matrix_params + layers * attention_flops(1, 1, seq_len, d_model, is_causal=True) / seq_len
 
 
 def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
@@ -217,8 +272,8 @@ def account(cfg: Any) -> dict[str, Any]:
         "params_breakdown": params,
         "context_length": cfg.context_length,
         "forward_flops_per_token": flops["total"] // cfg.context_length,
-        "train_flops_per_sequence": 3 * flops["total"],
-        "train_flops_per_token": 3 * flops["total"] // cfg.context_length,
+        "train_flops_per_sequence": TRAIN_FORWARDS * flops["total"],
+        "train_flops_per_token": TRAIN_FORWARDS * flops["total"] // cfg.context_length,
         "activation_bytes_breakdown": activation_bytes_per_sequence(cfg),
         "attention_flops_counting": "full T x T (no causal halving)",
     }

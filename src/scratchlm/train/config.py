@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scratchlm.data.config import DataConfig
+from scratchlm.dtypes import canonical_dtype
 from scratchlm.model.config import ModelConfig
 from scratchlm.optim.config import OptimConfig
 from scratchlm.parallel.config import ParallelConfig
@@ -27,7 +28,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest step directories kept (older ones are deleted)
     seed: int = 0  # seeds python, numpy, torch and the data sampler
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
-    dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16"
+    dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" ("float32", "bfloat16" too)
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
     # Evaluate with the compiled model too. Off: single-process evaluation runs the model eagerly,
@@ -69,8 +70,11 @@ class TrainerConfig:
             )
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"trainer.dtype must be 'auto', 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.dtype != "auto":
+            try:
+                self.dtype = canonical_dtype(self.dtype, allowed=("fp32", "bf16"))
+            except ValueError as exc:
+                raise ValueError(f"trainer.dtype: {exc}, or auto") from None
 
 
 @dataclass

@@ -7,9 +7,9 @@ Records carry an ``event`` ("start", "train", "eval", "resume", "end") and the `
 MFU is the fraction of the device's peak FLOP/s spent on the model's matmuls:
 ``train_flops_per_token · tokens_per_second / (peak · world_size)``, where a token costs
 three forward passes of matmul FLOPs (6·N per token for the N weights of the Transformer and
-LM head, plus the full T×T attention products; see `scratchlm.model.accounting`). The peaks
-below are the vendors' dense (non-sparse) tensor-core figures for bf16, and plain fp32 figures
-for fp32 training; an unlisted GPU, or a CPU, reports MFU as n/a unless `trainer.peak_flops`
+LM head, plus the full T×T attention products; see `scratchlm.model.accounting`). The peak is
+`scratchlm.device.peak_flops`: the dense bf16 tensor-core rate for bf16 training, the plain fp32
+rate for fp32 training; an unlisted GPU, or a CPU, reports MFU as n/a unless `trainer.peak_flops`
 gives the peak.
 """
 
@@ -25,43 +25,15 @@ from typing import Any, Protocol
 
 import torch
 
-# (name fragment, bf16 dense peak, fp32 peak) in FLOP/s; the first fragment found in the
-# device name wins, so the more specific names come first.
-GPU_PEAK_FLOPS: list[tuple[str, float, float]] = [
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100", 989e12, 67e12),
-    ("H200", 989e12, 67e12),
-    ("GH200", 989e12, 67e12),
-    ("B200", 2250e12, 80e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("L4", 121e12, 30.3e12),
-    ("A10G", 70e12, 31.2e12),
-    ("A10", 125e12, 31.2e12),
-    ("RTX 4090", 165e12, 82.6e12),
-    ("V100", 125e12, 15.7e12),  # fp16 tensor cores (V100 has no bf16)
-]
-
-
-def peak_flops(device: torch.device, *, bf16: bool, override: float = 0.0) -> float | None:
-    """Peak FLOP/s of `device` for the training precision, or None when unknown (CPUs)."""
-    if override > 0:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, bf16_peak, fp32_peak in GPU_PEAK_FLOPS:
-        if fragment in name:
-            return bf16_peak if bf16 else fp32_peak
-    return None
+from scratchlm.device import peak_flops  # noqa: F401  (the trainer's MFU denominator)
 
 
 def train_flops_per_token(model_cfg: Any, seq_len: int | None = None) -> float:
     """Matmul FLOPs of one training token (forward + backward = 3 forwards)."""
-    from scratchlm.model.accounting import forward_flops
+    from scratchlm.model.accounting import TRAIN_FORWARDS, forward_flops
 
     T = model_cfg.context_length if seq_len is None else seq_len
-    return 3 * forward_flops(model_cfg, T)["total"] / T
+    return TRAIN_FORWARDS * forward_flops(model_cfg, T)["total"] / T
 
 
 def memory_gb(device: torch.device) -> float:

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from scratchlm.config import config_to_dict, config_to_toml
+from scratchlm.device import resolve_device
 from scratchlm.errors import UserError
 from scratchlm.model.functional import cross_entropy
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
@@ -64,16 +65,6 @@ from scratchlm.train.run_dir import copy_tokenizer, environment_info
 
 log = logging.getLogger("scratchlm.train")
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" -> cuda when available, else cpu; anything else as torch spells it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"trainer.device={name!r} but CUDA is not available")
-    return device
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -138,7 +129,7 @@ class Trainer:
         self.logger = logger
         num_params = sum(p.numel() for p in self.raw_model.parameters())
         self.throughput = Throughput(train_flops_per_token(cfg.model), world_size=self.world_size,
-                                     peak=peak_flops(self.device, bf16=self.bf16, override=tc.peak_flops))
+                                     peak=peak_flops(self.device, "bf16" if self.bf16 else "fp32", override=tc.peak_flops))
         self.logger.log({"event": "resume" if self.step else "start", "step": self.step,
                          "num_params": num_params, "device": str(self.device), "world_size": self.world_size,
                          "precision": "bf16" if self.bf16 else "fp32", **environment_info()})
