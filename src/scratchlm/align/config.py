@@ -1,7 +1,8 @@
 """Typed configs of the post-training commands (sections of configs/align-*.toml).
 
 Each loop receives only the sections it uses; the root dataclasses (`SFTRunConfig`,
-`ExpertIterationRunConfig`, `GRPORunConfig`, `EvalRunConfig`) compose them for the commands.
+`ExpertIterationRunConfig`, `GRPORunConfig`) compose them for the commands, on the sections
+all of them share (`AlignRunConfig`).
 """
 
 from __future__ import annotations
@@ -129,31 +130,32 @@ class RunConfig:
 
 
 @dataclass
-class SFTRunConfig:
+class AlignRunConfig:
+    """The sections every post-training command reads; each command's root config adds its own."""
+
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
 @dataclass
-class ExpertIterationRunConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+class SFTRunConfig(AlignRunConfig):
+    """`scratchlm sft`."""
+
     sft: SFTConfig = field(default_factory=SFTConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class ExpertIterationRunConfig(SFTRunConfig):
+    """`scratchlm expert-iteration`: SFT rounds on the policy's own correct samples."""
+
     ei: ExpertIterationConfig = field(default_factory=ExpertIterationConfig)
-    run: RunConfig = field(default_factory=RunConfig)
 
 
 @dataclass
-class GRPORunConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+class GRPORunConfig(AlignRunConfig):
+    """`scratchlm grpo`."""
+
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    run: RunConfig = field(default_factory=RunConfig)

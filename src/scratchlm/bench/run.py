@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark
 from scratchlm.bench.profile import add_layer_nvtx_ranges, memory_snapshot, nvtx_range, profile_table
 from scratchlm.device import peak_flops, resolve_device
+from scratchlm.dtypes import torch_dtype
 from scratchlm.errors import UserError
 from scratchlm.model.accounting import TRAIN_FORWARDS, model_flops_per_token
 
@@ -149,8 +150,7 @@ def _build_model(cfg: Any, options: BenchOptions, device: torch.device, precisio
     from scratchlm.model.transformer import build_model
 
     torch.manual_seed(options.seed)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = build_model(cfg, device=device, dtype=dtype)
+    model = build_model(cfg, device=device, dtype=torch_dtype("bf16" if precision == "bf16" else "fp32"))
     if options.activation_checkpointing:
         from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
 
