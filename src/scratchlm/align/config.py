@@ -15,7 +15,7 @@ class PolicyConfig:
     """Which model to start from."""
 
     path: str = ""  # scratchlm run/step directory or checkpoint file, or a local HF model directory
-    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
+    device: str = "auto"  # "auto" (cuda, else mps, else cpu), "cpu", "cuda", "cuda:1", ...
 
 
 @dataclass

@@ -138,7 +138,8 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
 
 def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     """The device and precision to run at, after checking the sizes asked for."""
-    device = resolve_device(options.device or "auto")
+    # not "auto": the timing harness synchronises CUDA only, so without a device named it is CUDA or the CPU
+    device = resolve_device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
     if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
         raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")

@@ -173,7 +173,7 @@ def eval_math_command(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generator call")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/ and math/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, mps ...")
+    p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     p.add_argument("--dtype", type=_dtype_arg, default="auto",
                    help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
                         "auto is bf16 on cuda, fp32 elsewhere")
