@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
@@ -19,7 +19,7 @@ from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
-from scratchlm.align.sft import LogFn, sft_train
+from scratchlm.align.sft import EvaluateFn, LogFn, eval_metrics, recorder, sft_train
 
 
 def filter_rewarded(
@@ -49,7 +49,7 @@ def expert_iteration(
     sft: SFTConfig,
     optim: OptimConfig,
     sampling: SamplingConfig,
-    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    evaluate: EvaluateFn | None = None,
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
@@ -61,11 +61,9 @@ def expert_iteration(
     reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
+    record = recorder(history, log)
     if evaluate is not None:
-        row = {"phase": "ei", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}}
-        history.append(row)
-        if log is not None:
-            log(row)
+        record({"phase": "ei", "step": 0, **eval_metrics(evaluate, 0)})
     sft_steps = 0
     for step in range(1, ei.n_ei_steps + 1):
         questions = rng.sample(list(train_examples), min(ei.questions_per_step, len(train_examples)))
@@ -97,8 +95,6 @@ def expert_iteration(
                               if sft_history else float("nan")),
         }
         if evaluate is not None:
-            row.update({f"eval_{k}": v for k, v in evaluate(step).items()})
-        history.append(row)
-        if log is not None:
-            log(row)
+            row.update(eval_metrics(evaluate, step))
+        record(row)
     return history

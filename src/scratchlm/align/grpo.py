@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,9 @@ from scratchlm.align.policy import Completion, autocast_context
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
-from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step
+from scratchlm.align.sft import (
+    EvaluateFn, LogFn, _bar, eval_metrics, learning_rate, make_optimizer, optimizer_step, recorder,
+)
 
 
 def compute_group_normalized_rewards(
@@ -339,7 +341,7 @@ def grpo_train(
     grpo: GRPOConfig,
     optim: OptimConfig,
     sampling: SamplingConfig,
-    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    evaluate: EvaluateFn | None = None,
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
@@ -358,14 +360,9 @@ def grpo_train(
     total_updates = grpo.n_grpo_steps * grpo.epochs_per_rollout_batch * steps_per_batch
     normalize_constant = grpo.normalize_constant or float(sampling.max_new_tokens)
     history: list[dict[str, Any]] = []
-
-    def record(row: dict[str, Any]) -> None:
-        history.append(row)
-        if log is not None:
-            log(row)
-
+    record = recorder(history, log)
     if evaluate is not None:
-        record({"phase": "grpo", "step": 0, **_eval_metrics(evaluate, 0)})
+        record({"phase": "grpo", "step": 0, **eval_metrics(evaluate, 0)})
     update = 0
     bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
     started = time.perf_counter()
@@ -382,7 +379,7 @@ def grpo_train(
         out_of_time = bool(grpo.max_seconds) and time.perf_counter() - started >= grpo.max_seconds
         last = step == grpo.n_grpo_steps or out_of_time
         if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
-            row.update(_eval_metrics(evaluate, step))
+            row.update(eval_metrics(evaluate, step))
         record(row)
         bar.update(1)
         bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
@@ -391,6 +388,3 @@ def grpo_train(
     bar.close()
     return history
 
-
-def _eval_metrics(evaluate: Callable[[int], dict[str, Any]], step: int) -> dict[str, Any]:
-    return {f"eval_{k}": v for k, v in evaluate(step).items()}

@@ -26,6 +26,23 @@ from scratchlm.align.logprobs import (
 from scratchlm.align.policy import autocast_context
 
 LogFn = Callable[[dict[str, Any]], None]
+EvaluateFn = Callable[[int], dict[str, Any]]
+
+
+def recorder(history: list[dict[str, Any]], log: LogFn | None) -> LogFn:
+    """A function that appends a metrics row to `history` and also passes it to `log`, if given."""
+
+    def record(row: dict[str, Any]) -> None:
+        history.append(row)
+        if log is not None:
+            log(row)
+
+    return record
+
+
+def eval_metrics(evaluate: EvaluateFn, step: int) -> dict[str, Any]:
+    """The results of ``evaluate(step)`` under ``eval_*`` keys, as the loops' metrics rows hold them."""
+    return {f"eval_{k}": v for k, v in evaluate(step).items()}
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
