@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
@@ -19,7 +19,7 @@ from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
-from scratchlm.align.sft import EvaluateFn, LogFn, eval_metrics, recorder, sft_train
+from scratchlm.align.sft import LogFn, eval_metrics, recorder, sft_train
 
 
 def filter_rewarded(
@@ -49,7 +49,7 @@ def expert_iteration(
     sft: SFTConfig,
     optim: OptimConfig,
     sampling: SamplingConfig,
-    evaluate: EvaluateFn | None = None,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
-    EvaluateFn, LogFn, _bar, eval_metrics, learning_rate, make_optimizer, optimizer_step, recorder,
+    LogFn, _bar, eval_metrics, learning_rate, make_optimizer, optimizer_step, recorder,
 )
 
 
@@ -341,7 +341,7 @@ def grpo_train(
     grpo: GRPOConfig,
     optim: OptimConfig,
     sampling: SamplingConfig,
-    evaluate: EvaluateFn | None = None,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
