@@ -92,6 +92,7 @@ def layer_command(args: argparse.Namespace) -> int:
     from scratchlm.bench.harness import benchmark
     from scratchlm.bench.profile import profile_table
     from scratchlm.bench.results import write_json
+    from scratchlm.model.accounting import ffn_flops
     from scratchlm.model.layers import SwiGLU
     from scratchlm.model.moe import MoEFFN, grouped_mm_supported
 
@@ -102,6 +103,7 @@ def layer_command(args: argparse.Namespace) -> int:
     print(f"FFN forward+backward, {T} tokens, d_model {D}, dense d_ff {F}, bf16 autocast, "
           f"{_layer_mode(compile_, args.cudagraphs)}, {device}")
     dense_rate = None
+    dense_flops = ffn_flops("swiglu", D, F)
     cases = _layer_cases(D, F)
     if args.cases:
         wanted = [int(i) for i in args.cases.split(",")]
@@ -113,11 +115,11 @@ def layer_command(args: argparse.Namespace) -> int:
         torch.manual_seed(0)
         if opts is None:
             module = SwiGLU(D, F, device=device)
-            flops = 3 * 2 * D * F
+            flops = dense_flops
         else:
             opts = dict(opts)
             module = MoEFFN(D, opts.pop("d_ff"), opts.pop("num_experts"), opts.pop("top_k"), device=device, **opts)
-            flops = module.top_k * 3 * 2 * D * module.d_ff + 2 * D * module.num_experts
+            flops = ffn_flops("moe", D, module.d_ff, num_experts=module.num_experts, top_k=module.top_k)
         if args.cudagraphs:
             fn_module = torch.compile(module, mode="reduce-overhead")
         else:
@@ -147,7 +149,7 @@ def layer_command(args: argparse.Namespace) -> int:
         rows.append({"name": name, "ms": result.median * 1e3, "tokens_per_s": rate, "ratio_vs_dense": ratio,
                      "active_flops_per_token_fwd": flops, "times_ms": [t * 1e3 for t in result.times]})
         print(f"{name:40s} {result.median * 1e3:8.3f} ms  {rate / 1e6:7.2f} M tok/s  "
-              f"x{ratio:.2f} of dense  ({flops / (3 * 2 * D * F):.3f}x dense active FLOPs)", flush=True)
+              f"x{ratio:.2f} of dense  ({flops / dense_flops:.3f}x dense active FLOPs)", flush=True)
         if args.profile:  # where a case's time goes: a kernel table of 5 more steps
             print(profile_table(step, 5, row_limit=args.profile_rows), flush=True)
         if args.json:  # after every row, so a timeout keeps what was measured

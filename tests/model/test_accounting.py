@@ -193,3 +193,15 @@ def test_model_flops_per_token_of_a_built_model_by_hand(tie):
     # q, k, v, o (4·8·8) + SwiGLU (3·8·16) + the LM head (100·8), which the tied embedding shares
     matrices = 4 * 64 + 3 * 8 * 16 + 100 * 8
     assert model_flops_per_token(model, 4) == 2 * matrices + 2 * 1 * 4 * 8  # + causal attention 2·L·T·D
+
+
+def test_ffn_flops_by_hand():
+    from scratchlm.model.accounting import ffn_flops
+
+    D, F, T = 8, 16, 5
+    assert ffn_flops("swiglu", D, F, T) == 3 * 2 * T * D * F
+    assert ffn_flops("silu", D, F, T) == 2 * 2 * T * D * F
+    # router (D -> 4) plus two routed and one shared SwiGLU expert per token
+    assert ffn_flops("moe", D, F, T, num_experts=4, top_k=2, shared=1) == 2 * T * D * 4 + 3 * (3 * 2 * T * D * F)
+    with pytest.raises(ValueError, match="unknown ffn"):
+        ffn_flops("relu", D, F)

@@ -20,8 +20,8 @@ Conventions (the usual ones of scaling-law accountings, so figures compare with 
   capacity factor some tokens are dropped; the FLOPs stay those of the dropless routing
   (an upper bound on the useful work).
 
-This module owns the FLOP formulas of the whole package: `matmul_flops` and `attention_flops`
-(also what the attention kernels' benchmarks count), `forward_flops` of a config (`scratchlm
+This module owns the FLOP formulas of the whole package: `matmul_flops`, `ffn_flops` and
+`attention_flops` (also what the layer and kernel benchmarks count), `forward_flops` of a config (`scratchlm
 account`, the trainer's MFU) and `model_flops_per_token` of a built model (the benchmarks' MFU,
 which counts every weight matrix and causal attention).
 
@@ -139,6 +139,25 @@ def param_count(cfg: Any) -> int:
     return count_params(cfg)["total"]
 
 
+def ffn_flops(ffn: str, d_model: int, d_ff: int, tokens: int = 1, *, num_experts: int = 0, top_k: int = 0,
+              shared: int = 0) -> int:
+    """Forward FLOPs of one feed-forward layer over `tokens` tokens: "swiglu" (w1, w3, w2),
+    "silu" (w1, w2) or "moe" (the router, and the SwiGLU of width d_ff of each of the `top_k`
+    routed and `shared` experts a token goes through).
+
+    >>> ffn_flops("swiglu", 8, 16), ffn_flops("moe", 8, 16, num_experts=4, top_k=2)
+    (768, 1600)
+    """
+    expert = 3 * matmul_flops(tokens, d_model, d_ff)
+    if ffn == "swiglu":
+        return expert
+    if ffn == "silu":
+        return 2 * matmul_flops(tokens, d_model, d_ff)
+    if ffn == "moe":
+        return matmul_flops(tokens, d_model, num_experts) + (top_k + shared) * expert
+    raise ValueError(f"unknown ffn {ffn!r}")
+
+
 def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
     """Forward FLOPs for one sequence of ``seq_len`` tokens (default: context_length).
 
@@ -146,17 +165,9 @@ def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
     for what is counted (matmuls only, full T×T attention).
     """
     T = cfg.context_length if seq_len is None else seq_len
-    V, D, L, F = cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff
-    expert = 3 * matmul_flops(T, D, F)  # SwiGLU: w1, w3 (D -> F) and w2 (F -> D)
-    if cfg.ffn == "swiglu":
-        ffn = expert
-    elif cfg.ffn == "silu":
-        ffn = 2 * matmul_flops(T, D, F)
-    elif cfg.ffn == "moe":
-        moe = moe_shape(cfg)
-        ffn = matmul_flops(T, D, moe["num_experts"]) + (moe["top_k"] + moe["shared"]) * expert
-    else:
-        raise ValueError(f"unknown ffn {cfg.ffn!r}")
+    V, D, L = cfg.vocab_size, cfg.d_model, cfg.num_layers
+    moe = moe_shape(cfg)  # read by ffn_flops only for ffn="moe"
+    ffn = ffn_flops(cfg.ffn, D, cfg.d_ff, T, num_experts=moe["num_experts"], top_k=moe["top_k"], shared=moe["shared"])
     parts = {
         "qkvo": L * 4 * matmul_flops(T, D, D),
         "attention": L * attention_flops(1, 1, T, D),
