@@ -90,7 +90,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 class Trainer:
     """Trains `cfg.model` on `cfg.data` into `run_dir`; `fit()` runs the loop."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, engine: Any = None,
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | int | str = False, engine: Any = None,
                  logger: MetricsLogger | None = None) -> None:
         from scratchlm.model.transformer import build_model
 
@@ -129,7 +129,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
         if resume:
-            self._resume()
+            self._resume(resume)
         elif self.is_main and (self.run_dir / "metrics.jsonl").exists():
             truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log
         if logger is None:
@@ -383,8 +383,10 @@ class Trainer:
         if self.engine is not None:
             self.engine.barrier()
 
-    def _resume(self) -> None:
-        step_dir = ckpt.latest_step_dir(self.run_dir)
+    def _resume(self, resume: bool | int | str = True) -> None:
+        """Continue from `latest` (resume=True) or the step `resume` names (800, "step_000800")."""
+        step_dir = ckpt.find_resume_checkpoint(self.run_dir, None if resume is True else resume,
+                                               set_aside_newer=self.is_main)
         if step_dir is None:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             if self.is_main:
