@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp())
     bin_path = str(tmp / "tokens.bin")
     np.random.default_rng(0).integers(0, 10_000, size=20_000_000, dtype=np.uint16).tofile(bin_path)
+    Path(bin_path).with_suffix(".json").write_text(json.dumps(  # the sidecar the trainer checks
+        {"dtype": "uint16", "vocab_size": 10_000, "num_tokens": 20_000_000}))
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch, "rows": []}
     cfg = None
     steps = {}

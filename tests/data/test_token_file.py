@@ -31,7 +31,8 @@ def test_max_token_id_matches_numpy_whatever_the_chunking(tmp_path, dtype, chunk
 
 def test_a_valid_file_opens(tmp_path):
     path = write(tmp_path / "ok.bin", np.arange(100) % 50, vocab_size=50, tokenizer_hash="abc")
-    tokens = token_file.open_checked(path, vocab_size=50, context_length=8, tokenizer_hash="abc", what="data.train_path")
+    tokens = token_file.open_checked(path, vocab_size=50, context_length=8, tokenizer_hash="abc",
+                                     what="data.train_path")
     np.testing.assert_array_equal(tokens, np.arange(100) % 50)
     # a sidecar that records no tokenizer (hand-made files) is not refused for it
     path = write(tmp_path / "nohash.bin", np.arange(100) % 50, vocab_size=50)

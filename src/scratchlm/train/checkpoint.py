@@ -363,16 +363,14 @@ def read_torch(path: Path) -> Any:
 
 
 def _torch_load(src: str | os.PathLike | IO[bytes]) -> Any:
+    import pickle
+
     try:
         return torch.load(src, map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError) as exc:
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, pickle.UnpicklingError) as exc:
         if not isinstance(src, (str, os.PathLike)) or not Path(src).is_file():
             raise
         raise DamagedCheckpoint(Path(src), f"cannot be read: {_one_line(exc)}") from None
-    except Exception as exc:  # the unpickler's own errors (weights_only) on altered bytes
-        if type(exc).__name__ != "UnpicklingError" or not isinstance(src, (str, os.PathLike)):
-            raise
-        raise DamagedCheckpoint(Path(src), f"cannot be unpickled: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -406,16 +404,16 @@ def verify_step_dir(step_dir: Path, required: tuple[str, ...] = RESUME_FILES, *,
                     only: tuple[str, ...] | None = None) -> None:
     """Raise `DamagedCheckpoint` for the first file of `step_dir` that is missing or altered.
 
-    With a `checksums.json`, every file it lists (or those of them in `only`) is hashed; without one (checkpoints older
-    than checksums), the files get the structural checks of the module docstring and the
-    directory one warning.
+    With a `checksums.json`, every file it lists (or those of them in `only`) is hashed;
+    without one (checkpoints older than checksums), the same files get the structural checks
+    of the module docstring, and the directory one warning.
     """
     for name in required:
         if not (step_dir / name).is_file():
             raise DamagedCheckpoint(step_dir / name, "missing")
     manifest = step_dir / CHECKSUMS
     if not manifest.is_file():
-        _verify_structure(step_dir)
+        _verify_structure(step_dir, only)
         return
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
@@ -432,7 +430,7 @@ def verify_step_dir(step_dir: Path, required: tuple[str, ...] = RESUME_FILES, *,
             raise DamagedCheckpoint(path, "its sha256 differs from the one recorded at save")
 
 
-def _verify_structure(step_dir: Path) -> None:
+def _verify_structure(step_dir: Path, only: tuple[str, ...] | None) -> None:
     import zipfile
 
     if step_dir not in _warned_unchecked:
@@ -440,6 +438,8 @@ def _verify_structure(step_dir: Path) -> None:
         log.warning("%s has no %s (written by an older scratchlm): its files are checked for truncation "
                     "only, not against checksums", step_dir, CHECKSUMS)
     for path in sorted(step_dir.glob("*.pt")):
+        if only is not None and path.name not in only:
+            continue
         try:
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip()  # reads every member against its CRC-32
@@ -448,7 +448,7 @@ def _verify_structure(step_dir: Path) -> None:
         if bad is not None:
             raise DamagedCheckpoint(path, f"member {bad} fails its CRC check")
     weights = step_dir / WEIGHTS
-    if weights.is_file():
+    if weights.is_file() and (only is None or WEIGHTS in only):
         size = weights.stat().st_size
         try:
             with open(weights, "rb") as f:
