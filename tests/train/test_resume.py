@@ -111,12 +111,13 @@ def test_resume_without_latest_refuses_a_damaged_newest_step_and_names_the_intac
     (run / "checkpoints" / "latest").unlink()
     weights = run / "checkpoints" / "step_000008" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    metrics_before = (run / "metrics.jsonl").read_text()
+    metrics_before, config_before = (run / "metrics.jsonl").read_text(), (run / "config.toml").read_text()
     with pytest.raises(UserError) as err:
-        run_training(cfg, resume=True)
+        run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=20)), resume=True)
     message = str(err.value)
     assert "\n" not in message and str(weights) in message and "step_000004" in message
     assert (run / "metrics.jsonl").read_text() == metrics_before
+    assert (run / "config.toml").read_text() == config_before  # a refused resume changes nothing
     assert step_names(run) == ["step_000004", "step_000008"]
 
 
