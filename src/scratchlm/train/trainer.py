@@ -90,7 +90,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 class Trainer:
     """Trains `cfg.model` on `cfg.data` into `run_dir`; `fit()` runs the loop."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, engine: Any = None,
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | int | str = False, engine: Any = None,
                  logger: MetricsLogger | None = None) -> None:
         from scratchlm.model.transformer import build_model
 
@@ -124,12 +124,15 @@ class Trainer:
         self._moe_window = (torch.zeros(4 + len(self._moe_layers) * cfg.model.moe_num_experts, device=self.device)
                             if self._moe_layers else None)
         self.config_text = config_to_toml(cfg)
+        # Found and verified before anything in the run directory changes: a refusal loses nothing.
+        resume_dir = ckpt.find_resume_checkpoint(self.run_dir, None if resume is True else resume,
+                                                 set_aside_newer=self.is_main) if resume else None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
         if resume:
-            self._resume()
+            self._resume(resume_dir)
         elif self.is_main and (self.run_dir / "metrics.jsonl").exists():
             truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log
         if logger is None:
@@ -383,8 +386,7 @@ class Trainer:
         if self.engine is not None:
             self.engine.barrier()
 
-    def _resume(self) -> None:
-        step_dir = ckpt.latest_step_dir(self.run_dir)
+    def _resume(self, step_dir: Path | None) -> None:
         if step_dir is None:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             if self.is_main:
