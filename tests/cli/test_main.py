@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from scratchlm import cli
 from scratchlm.errors import UserError
 
@@ -27,6 +29,30 @@ def test_user_error_is_one_line(monkeypatch, capsys):
     assert cli.main(["train-bpe"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "scratchlm train-bpe: error: vocab_size must be at least 257"
+
+
+def test_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
+    def crash(argv):
+        raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: crash)
+    monkeypatch.delenv("SCRATCHLM_DEBUG", raising=False)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("scratchlm train: error: RuntimeError: CUDA error: device-side assert triggered "
+                   "(rerun with --debug for the traceback)")
+    with pytest.raises(RuntimeError):
+        cli.main(["train", "--debug"])
+    monkeypatch.setenv("SCRATCHLM_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["train"])
+
+
+def test_debug_flag_is_not_passed_to_the_command(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_resolve", lambda name: lambda argv: seen.append(argv) or 0)
+    assert cli.main(["--debug", "account", "tiny-cpu", "--debug"]) == 0
+    assert seen == [["tiny-cpu"]]
 
 
 def test_missing_file_is_one_line(monkeypatch, capsys):

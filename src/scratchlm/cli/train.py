@@ -15,7 +15,7 @@ from scratchlm.train.config import TrainConfig
 
 
 def train_command(argv: list[str]) -> int:
-    """scratchlm train [CONFIG] [--section.key=value ...] [--resume | --overwrite]"""
+    """scratchlm train [CONFIG] [--section.key=value ...] [--resume | --resume-from STEP | --overwrite]"""
     parser = argparse.ArgumentParser(
         prog="scratchlm train",
         description="Train a Transformer LM. CONFIG is a TOML file or a preset name from configs/; "
@@ -23,16 +23,21 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="TOML config or preset name (default: built-in defaults)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue RUN/checkpoints/latest of trainer.out_dir")
+    mode.add_argument("--resume-from", metavar="STEP",
+                      help="continue from this checkpoint (800 or step_000800); newer ones are set aside")
     mode.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
     cfg = load_config(TrainConfig, args.config, overrides)
-    run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    run_training(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite)
     return 0
 
 
-def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Prepare the run directory, build the trainer (and the parallel engine when asked), train."""
+def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrite: bool = False) -> dict[str, Any]:
+    """Prepare the run directory, build the trainer (and the parallel engine when asked), train.
+
+    `resume`: True continues from `checkpoints/latest` (or the newest intact step), a step number
+    or step directory name continues from that checkpoint."""
     from scratchlm.train.run_dir import prepare_run_dir
     from scratchlm.train.trainer import Trainer
 
@@ -46,7 +51,7 @@ def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = Fa
     run_dir = Path(cfg.trainer.out_dir)
     try:
         if is_main:
-            prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+            prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
             if resume:
                 _check_same_model(cfg, run_dir)
         if engine is not None:

@@ -486,8 +486,9 @@ def _intact_hint(run_dir: str | os.PathLike, before: Path) -> str:
             verify_step_dir(path)
         except DamagedCheckpoint:
             continue
-        return (f"{path.name} is intact: to resume from it, write {path.name} into {pointer} "
-                f"and run with --resume again (newer step directories are set aside, not deleted)")
+        return (f"{path.name} is intact: to resume from it, run with --resume-from {path.name} "
+                f"(or write {path.name} into {pointer} and run with --resume; newer step directories "
+                "are set aside, not deleted)")
     return "no older checkpoint is intact; start the run over with --overwrite"
 
 
