@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ import numpy as np
 import regex
 
 from scratchlm.errors import UserError
+from scratchlm.tokenizer.worker_pool import worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
 _SCAN_BLOCK = 1 << 20  # bytes read at a time while looking for a safe cut
@@ -405,8 +406,7 @@ def _run_jobs(jobs: list[tuple[int, int, int]], source: str, parts_dir: str, err
     # An executor rather than a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     # A forked worker inherits the loaded tokenizer; a spawned one reloads it from its directory.
     shared = tokenizer if context.get_start_method() == "fork" else tokenizer_arg
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                             initargs=(shared,)) as pool:
+    with worker_pool(workers, context, initializer=_init_worker, initargs=(shared,)) as pool:
         futures = [pool.submit(_encode_chunk, job, *common) for job in jobs]
         try:
             for future in as_completed(futures):

@@ -37,11 +37,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import count_pretokens_in_range, find_chunk_boundaries
+from scratchlm.tokenizer.worker_pool import worker_pool
 
 # Below this size the worker pool costs more than it saves.
 SMALL_CORPUS_BYTES = 4 << 20
@@ -151,7 +151,7 @@ def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
     ranges = list(zip(bounds[:-1], bounds[1:]))
     total: Counter[str] = Counter()
     used.append(min(workers, len(ranges)))
-    with ProcessPoolExecutor(max_workers=used[-1], mp_context=_pool_context()) as pool:
+    with worker_pool(used[-1], _pool_context()) as pool:
         # The bar comes after the pool: tqdm starts a monitor thread, and fork wants none.
         bar = _progress_bar(progress, total=len(ranges), desc="pretokenize", unit="chunk")
         futures = [pool.submit(count_pretokens_in_range, path, a, b, list(special_tokens)) for a, b in ranges]
