@@ -282,3 +282,12 @@ def test_long_pretoken_merge_equals_the_per_word_loop(long_runs, gpt2_tokenizer,
         monkeypatch.setattr(module, "LONG_PRETOKEN", 1 << 30)
         assert long == [tok._merge_loop(w.encode("utf-8")) for w in words]
         monkeypatch.undo()
+
+
+def test_a_merge_listed_twice_changes_nothing_for_long_pretokens(long_runs):
+    tok, hf = long_runs
+    merges = list(tok.merges)
+    doubled = Tokenizer(tok.vocab, merges[:5] + merges[2:3] + merges[5:], tok.special_tokens)
+    for text in (" " * 5000, _letters(5000, 4), "ab" * 3000):
+        assert doubled.encode(text) == hf.encode(text).ids
+        assert doubled._merge_long(list(text)) == tok._merge_long(list(text))

@@ -12,7 +12,10 @@ of them joined into one string, one merge loop over all their new pretokens at o
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
-adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). Ids come
+adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). A pretoken
+longer than LONG_PRETOKEN (a whitespace run, a long word) takes numpy merge rounds and a heap
+instead of the per-word loop, which rescans the word after every merge: any input encodes in
+O(n log n). Ids come
 from the vocabulary given, so GPT-2's own ``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
 
 Decoding joins token bytes and decodes them as UTF-8, replacing invalid sequences with U+FFFD.
@@ -288,7 +291,7 @@ class Tokenizer:
             return self._merge_long(parts)
         get = self._ranks.get
         merged_of = self._merged
-        never = len(self._ranks)
+        never = len(self.merges)  # past every rank, also where a merge listed twice left a gap
         # ranks[k]: rank of the pair (parts[k], parts[k + 1]); only the two pairs next to a
         # merge change, so each step is a C-level min() plus two lookups.
         ranks = [get(parts[k] + parts[k + 1], never) for k in range(len(parts) - 1)]
@@ -338,9 +341,12 @@ class Tokenizer:
                 return text
             parts = list(text)
             n = len(parts)
-            ranks = bulk.pair_ranks(ids).astype(np.int64)
+            ranks = bulk.pair_ranks(ids)
             at = np.flatnonzero(ranks >= 0)
-            heap = np.sort(ranks[at] * n + at).tolist()  # sorted, so already a heap
+            # The bulk merger numbers the distinct pairs 0, 1, ...; the heap keeps self._ranks'
+            # numbers (merge indices), which skip a merge listed twice.
+            ranks = np.fromiter(self._ranks.values(), np.int64, len(self._ranks))[ranks[at]]
+            heap = np.sort(ranks * n + at).tolist()  # sorted, so already a heap
         return self._heap_merge(parts, heap)
 
     def _heap_merge(self, parts: list[str], heap: list[int]) -> str:
