@@ -85,3 +85,17 @@ def test_workers_die_with_their_parent(tmp_path, command, sig):
         for pid in workers:  # this test's own workers, if the assertion failed
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_worker_pool_runs_tasks_with_every_start_method(method):
+    import multiprocessing
+
+    from scratchlm.tokenizer.worker_pool import worker_pool
+
+    with worker_pool(2, multiprocessing.get_context(method)) as pool:
+        assert list(pool.map(_square, range(5))) == [0, 1, 4, 9, 16]

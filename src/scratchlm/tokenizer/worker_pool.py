@@ -51,8 +51,9 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _init_worker(parent_pid: int, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
-    die_with_parent(parent_pid)
+def _init_worker(parent_pid: int | None, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     if initializer is not None:
         initializer(*initargs)
 
@@ -63,10 +64,13 @@ def worker_pool(workers: int, context: multiprocessing.context.BaseContext, *,
     """A ``ProcessPoolExecutor`` whose workers die with this process (see the module docstring).
 
     On a normal exit the pool shuts down as usual; on an exception its workers are killed
-    at once rather than left to finish their running tasks.
+    at once rather than left to finish their running tasks. With a ``forkserver`` context the
+    workers are the server's children and are not tied to this process.
     """
+    # A forkserver's workers are its children, not ours: they cannot watch this process.
+    parent = os.getpid() if context.get_start_method() in ("fork", "spawn") else None
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                               initargs=(os.getpid(), initializer, initargs))
+                               initargs=(parent, initializer, initargs))
     try:
         yield pool
     except BaseException:
