@@ -11,7 +11,8 @@ import pytest
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer import encode_corpus as ec
-from scratchlm.tokenizer.encode_corpus import encode_corpus, token_dtype
+from scratchlm.data.token_file import token_dtype
+from scratchlm.tokenizer.encode_corpus import encode_corpus
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 

@@ -37,6 +37,12 @@ _TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv")
 ENCODE_HINT = "encode it with `scratchlm encode TEXT --tokenizer DIR --out OUT.bin`"
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype a token file of this vocabulary is written in: ``uint16`` when every id fits
+    (vocab_size <= 65536), otherwise ``uint32``; little-endian."""
+    return DTYPES["uint16"] if vocab_size <= 1 << 16 else DTYPES["uint32"]
+
+
 def sidecar_path(bin_path: str | os.PathLike) -> Path:
     """``X.bin -> X.json``: where the metadata of a token file lives."""
     return Path(bin_path).with_suffix(".json")

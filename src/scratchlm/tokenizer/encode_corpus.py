@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import regex
 
+from scratchlm.data.token_file import sidecar_path, token_dtype
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.worker_pool import worker_pool
 
@@ -82,16 +83,6 @@ class _Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "bounds": list(self.bounds)}
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` when every id fits (vocab_size <= 65536), otherwise ``uint32``; little-endian."""
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def sidecar_path(bin_path: str | os.PathLike) -> Path:
-    """``X.bin -> X.json``: where the metadata of a token file lives."""
-    return Path(bin_path).with_suffix(".json")
 
 
 def encode_corpus(
