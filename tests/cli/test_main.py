@@ -87,3 +87,21 @@ def test_the_command_table_and_light_commands_import_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, scratchlm.cli; scratchlm.cli.main(['--help']); "
                           "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines()[-1] == "False"
+
+
+def test_output_reaches_a_pipe_line_by_line():
+    # A long job's log must show up while it runs, also when stdout is a pipe (block-buffered).
+    script = ("import time; from scratchlm import cli\n"
+              "cli._resolve = lambda name: lambda argv: (print('step 1 | loss 4.2'), time.sleep(60))\n"
+              "cli.main(['train'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=30), "no output within 30 s while the command runs"
+        assert proc.stdout.readline().strip() == "step 1 | loss 4.2"
+    finally:
+        proc.kill()
+        proc.wait()

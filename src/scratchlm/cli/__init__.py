@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scratchlm {__version__}")
         return 0
     name, rest = args[0], args[1:]
+    if hasattr(sys.stdout, "reconfigure"):
+        # Piped into a file or `tee`, stdout would hold whole blocks of the log back: flush each line.
+        sys.stdout.reconfigure(line_buffering=True)
     if name not in COMMANDS:
         print(f"scratchlm: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
