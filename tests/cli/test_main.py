@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -94,7 +95,8 @@ def test_output_reaches_a_pipe_line_by_line():
     script = ("import time; from scratchlm import cli\n"
               "cli._resolve = lambda name: lambda argv: (print('step 1 | loss 4.2'), time.sleep(60))\n"
               "cli.main(['train'])\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         import selectors
 
