@@ -226,7 +226,7 @@ def engine_job(rank: int, world: int, strategy: str, kind: str = "lm", steps: in
             engine.sync_gradients(model)
             norm = engine.clip_grad_norm(model, clip)
             opt.step()
-            return engine.all_reduce_mean(loss.item()), norm
+            return engine.all_reduce_mean(loss.item()), float(norm)
 
         losses, norms = [], []
         for i in range(steps - 1):
