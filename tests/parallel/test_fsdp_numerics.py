@@ -29,9 +29,9 @@ def _one_step(grads_of) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = dist_workers.LayersNet()
     grads = grads_of(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.sub_(LR * grads[name])  # what torch.optim.SGD(lr) does: p += -lr * grad
+    for name, p in model.named_parameters():
+        p.grad = grads[name]
+    torch.optim.SGD(model.parameters(), lr=LR).step()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
