@@ -95,6 +95,7 @@ class Strategy:
 
     @property
     def strategy(self) -> str:
+        """The `parallel.strategy` name of this strategy."""
         return self.name
 
     @property
