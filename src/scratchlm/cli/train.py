@@ -34,36 +34,30 @@ def train_command(argv: list[str]) -> int:
 
 
 def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrite: bool = False) -> dict[str, Any]:
-    """Prepare the run directory, build the trainer (and the parallel engine when asked), train.
+    """Prepare the run directory, build the trainer with `cfg.parallel`'s strategy, train.
 
     `resume`: True continues from `checkpoints/latest` (or the newest intact step), a step number
     or step directory name continues from that checkpoint."""
+    from scratchlm.parallel.strategy import init_strategy
     from scratchlm.train.run_dir import prepare_run_dir
     from scratchlm.train.trainer import Trainer
 
-    engine = None
-    if cfg.parallel.strategy != "none":
-        from scratchlm.parallel.engine import init_engine
-
-        engine = init_engine(cfg.parallel)
-    is_main = engine.is_main if engine else True
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
+    strategy = init_strategy(cfg.parallel, device=cfg.trainer.device)
+    logging.basicConfig(level=logging.INFO if strategy.is_main else logging.WARNING, format="%(message)s")
     run_dir = Path(cfg.trainer.out_dir)
     try:
-        if is_main:
+        if strategy.is_main:
             prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
             if resume:
                 _check_same_model(cfg, run_dir)
-        if engine is not None:
-            engine.barrier()
-        trainer = Trainer(cfg, run_dir, resume=resume, engine=engine)
+        strategy.barrier()
+        trainer = Trainer(cfg, run_dir, resume=resume, strategy=strategy)
         try:
             return trainer.fit()
         finally:
             trainer.logger.close()
     finally:
-        if engine is not None:
-            engine.shutdown()
+        strategy.close()
 
 
 INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights
