@@ -9,13 +9,21 @@ For each corpus and vocabulary size:
   times (best of each kept, all in the JSON; each pass's CPU time is recorded too); the ids
   must be identical;
 - streaming: ``encode_iterable`` over the file object, sampling RSS as it goes (flat = constant
-  memory).
+  memory);
+- long pretokens: 100K spaces, 100K newlines and 1 MB of random letters (one pretoken each),
+  ours (fresh tokenizer) against Hugging Face ``tokenizers`` loaded from our ``tokenizer.json``,
+  ids identical; a check that no input is quadratic.
+
+The encoding line prints ``cold vs tiktoken``, the ratio of speeds (tiktoken time / ours) of a
+fresh tokenizer's first pass over the corpus; ``--encode-only`` skips training (it trains our
+tokenizer once if the work directory lacks it) and the HF training comparison.
 
 Corpora are Project Gutenberg files from ../shared/data/gutenberg, decompressed once into a
 temporary directory (never into the repository).
 
     python benchmarks/tokenizer.py --quick          # valid.txt (10.7 MB), 10K vocab
     python benchmarks/tokenizer.py                  # also train_00.txt (170 MB), 32K vocab
+    python benchmarks/tokenizer.py --quick --encode-only --skip-stream   # the encoding ratio only
 """
 
 from __future__ import annotations
@@ -164,7 +172,34 @@ def job_stream(corpus: str, tokenizer_dir: str) -> dict:
             "rss_samples_mb": samples, "rss_max_mb": max(samples, default=start_rss)}
 
 
-JOBS = {"train_ours": job_train_ours, "train_hf": job_train_hf, "encode": job_encode, "stream": job_stream}
+def job_long(tokenizer_dir: str) -> dict:
+    """Single long pretokens: ours (fresh tokenizer each) against HF tokenizers, same ids."""
+    import random
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    hf = HFTokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    rng = random.Random(0)
+    inputs = {"100K spaces": " " * 100_000, "100K newlines": "\n" * 100_000,
+              "1 MB random letters": "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=1_000_000))}
+    Tokenizer.load(tokenizer_dir).encode("import numpy")  # not timed
+    rows = []
+    for name, text in inputs.items():
+        ours = Tokenizer.load(tokenizer_dir)
+        start = time.perf_counter()
+        ids = ours.encode(text)
+        ours_s = time.perf_counter() - start
+        start = time.perf_counter()
+        ref = hf.encode(text).ids
+        hf_s = time.perf_counter() - start
+        rows.append({"input": name, "ours_s": ours_s, "hf_s": hf_s, "num_tokens": len(ids), "identical": ids == ref})
+    return {"rows": rows}
+
+
+JOBS = {"train_ours": job_train_ours, "train_hf": job_train_hf, "encode": job_encode, "stream": job_stream,
+        "long": job_long}
 
 
 def run_job(name: str, **kwargs) -> dict:
@@ -191,6 +226,8 @@ def main() -> None:
     parser.add_argument("--encode-repeats", type=int, default=3,
                         help="interleaved cold/warm/tiktoken encoding passes (best of each is kept)")
     parser.add_argument("--skip-stream", action="store_true")
+    parser.add_argument("--encode-only", action="store_true",
+                        help="no training comparison: encode with our tokenizer (trained once if missing)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-args", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,6 +248,12 @@ def main() -> None:
         corpus = decompress(name, args.workdir)
         mb = corpus.stat().st_size / 1e6
         tok_dir = args.workdir / f"ours_{name}_{vocab_size}"
+        if args.encode_only:
+            if not (tok_dir / "vocab.json").is_file():
+                run_job("train_ours", corpus=str(corpus), vocab_size=vocab_size, threads=args.threads,
+                        save=str(tok_dir))
+            _encode_rows(args, results, corpus, name, vocab_size, tok_dir)
+            continue
         ours_runs, hf_runs = [], []
         for _ in range(args.repeats):
             hf_runs.append(run_job("train_hf", corpus=str(corpus), vocab_size=vocab_size, threads=args.threads,
@@ -229,24 +272,47 @@ def main() -> None:
               f"HF {hf['seconds']:.2f} s (peak RSS {hf['peak_rss_mb']:.0f} MB) -> {row['speed_ratio']:.2f}x HF speed "
               f"[load {row['loadavg']}]", flush=True)
 
-        enc = run_job("encode", corpus=str(corpus), tokenizer_dir=str(tok_dir), repeats=args.encode_repeats)
-        enc.update(corpus=name, vocab_size=vocab_size, speed_ratio=enc["ours_mb_s"] / enc["tiktoken_mb_s"],
-                   loadavg=loadavg())
-        results["encode"].append(enc)
-        print(f"encode {name}: ours {enc['ours_mb_s']:.2f} MB/s cold, {enc['ours_warm_mb_s']:.2f} MB/s warm; "
-              f"tiktoken {enc['tiktoken_mb_s']:.2f} MB/s -> {enc['speed_ratio']:.2f}x tiktoken cold, "
-              f"{enc['warm_ratio']:.2f}x warm, {enc['first_ratio']:.2f}x first cold pass "
-              f"(CPU time: {enc['cpu_ratio']:.2f}x cold, {enc['cpu_warm_ratio']:.2f}x warm); "
-              f"identical ids: {enc['identical']} [load {enc['loadavg']}]", flush=True)
-
-        if not args.skip_stream:
-            stream = run_job("stream", corpus=str(corpus), tokenizer_dir=str(tok_dir))
-            stream.update(corpus=name, vocab_size=vocab_size)
-            results["stream"].append(stream)
-            print(f"stream {name}: encode_iterable {stream['mb_s']:.2f} MB/s, RSS start {stream['rss_start_mb']:.0f} MB, "
-                  f"max {stream['rss_max_mb']:.0f} MB over {len(stream['rss_samples_mb'])} samples", flush=True)
+        _encode_rows(args, results, corpus, name, vocab_size, tok_dir)
 
     results["machine"]["loadavg_end"] = loadavg()
+    _print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+def _encode_rows(args, results: dict, corpus: Path, name: str, vocab_size: int, tok_dir: Path) -> None:
+    """The encoding, streaming and long-pretoken jobs for one corpus, printed and added to results."""
+    enc = run_job("encode", corpus=str(corpus), tokenizer_dir=str(tok_dir), repeats=args.encode_repeats)
+    enc.update(corpus=name, vocab_size=vocab_size, speed_ratio=enc["ours_mb_s"] / enc["tiktoken_mb_s"],
+               loadavg=loadavg())
+    results["encode"].append(enc)
+    print(f"encode {name}: ours {enc['ours_mb_s']:.2f} MB/s cold, {enc['ours_warm_mb_s']:.2f} MB/s warm; "
+          f"tiktoken {enc['tiktoken_mb_s']:.2f} MB/s -> {enc['speed_ratio']:.2f}x tiktoken cold, "
+          f"{enc['warm_ratio']:.2f}x warm, {enc['first_ratio']:.2f}x first cold pass "
+          f"(CPU time: {enc['cpu_ratio']:.2f}x cold, {enc['cpu_warm_ratio']:.2f}x warm); "
+          f"identical ids: {enc['identical']} [load {enc['loadavg']}]", flush=True)
+
+    if not args.skip_stream:
+        stream = run_job("stream", corpus=str(corpus), tokenizer_dir=str(tok_dir))
+        stream.update(corpus=name, vocab_size=vocab_size)
+        results["stream"].append(stream)
+        print(f"stream {name}: encode_iterable {stream['mb_s']:.2f} MB/s, RSS start {stream['rss_start_mb']:.0f} MB, "
+              f"max {stream['rss_max_mb']:.0f} MB over {len(stream['rss_samples_mb'])} samples", flush=True)
+
+    long = run_job("long", tokenizer_dir=str(tok_dir))
+    results.setdefault("long", []).append({"corpus": name, "vocab_size": vocab_size, **long})
+    for row in long["rows"]:
+        print(f"long {row['input']}: ours {row['ours_s']:.3f} s, HF tokenizers {row['hf_s']:.3f} s, "
+              f"{row['num_tokens']:,} tokens, identical ids: {row['identical']}", flush=True)
+
+
+def _print_table(results: dict) -> None:
+    for en in results["encode"]:
+        print(f"\ncold encoding vs tiktoken ({en['corpus']}, vocab {en['vocab_size']:,}): "
+              f"{en['speed_ratio']:.2f}x wall, {en['cpu_ratio']:.2f}x CPU time")
+    if not results["train"]:
+        return
     print("\n| corpus | vocab | ours train s | HF train s | ratio (HF/ours) | ours peak RSS MB | "
           "ours encode MB/s | tiktoken MB/s | ratio | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -255,9 +321,6 @@ def main() -> None:
               f"{tr['hf']['seconds']:.2f} | {tr['speed_ratio']:.2f}x | "
               f"{max(tr['ours']['peak_rss_mb'], tr['ours']['peak_rss_children_mb']):.0f} | {en['ours_mb_s']:.2f} | "
               f"{en['tiktoken_mb_s']:.2f} | {en['speed_ratio']:.2f}x | {en['identical']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

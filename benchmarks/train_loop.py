@@ -20,6 +20,7 @@ lists one step's top-level host ops and CUDA-graph launches in order (what runs 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp())
     bin_path = str(tmp / "tokens.bin")
     np.random.default_rng(0).integers(0, 10_000, size=20_000_000, dtype=np.uint16).tofile(bin_path)
+    Path(bin_path).with_suffix(".json").write_text(json.dumps(  # the sidecar the trainer checks
+        {"dtype": "uint16", "vocab_size": 10_000, "num_tokens": 20_000_000}))
     results = {**environment(), "batch": args.batch, "rows": []}
     cfg = None
     steps = {}

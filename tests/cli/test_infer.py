@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,20 @@ def test_generate_command_errors(ckpt):
         generate_command([str(ckpt), "--prompt", "x" * 40, "--device", "cpu"])
     with pytest.raises((UserError, FileNotFoundError)):
         generate_command([str(ckpt.parent / "missing.pt"), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_generate_command_rejects_bad_temperature(ckpt, value):
+    with pytest.raises(UserError, match="--temperature must be a number >= 0"):
+        generate_command([str(ckpt), "--temperature", value, "--device", "cpu"])
+
+
+def test_generate_command_says_when_the_context_cuts_samples(ckpt, capsys):
+    # context_length 32, a 2-token prompt: at most 30 new tokens fit.
+    assert generate_command([str(ckpt), "--prompt", "ab", "--max-new-tokens", "500", "--temperature", "0",
+                             "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "samples stop after 30 new tokens" in captured.err
+    assert int(re.search(r"sample 1/1 \((\d+) tokens\)", captured.out).group(1)) <= 30
+    assert generate_command([str(ckpt), "--prompt", "ab", "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    assert "note:" not in capsys.readouterr().err

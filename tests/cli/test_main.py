@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from scratchlm import cli
 from scratchlm.errors import UserError
@@ -27,6 +30,30 @@ def test_user_error_is_one_line(monkeypatch, capsys):
     assert cli.main(["train-bpe"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "scratchlm train-bpe: error: vocab_size must be at least 257"
+
+
+def test_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
+    def crash(argv):
+        raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: crash)
+    monkeypatch.delenv("SCRATCHLM_DEBUG", raising=False)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("scratchlm train: error: RuntimeError: CUDA error: device-side assert triggered "
+                   "(rerun with --debug for the traceback)")
+    with pytest.raises(RuntimeError):
+        cli.main(["train", "--debug"])
+    monkeypatch.setenv("SCRATCHLM_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["train"])
+
+
+def test_debug_flag_is_not_passed_to_the_command(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_resolve", lambda name: lambda argv: seen.append(argv) or 0)
+    assert cli.main(["--debug", "account", "tiny-cpu", "--debug"]) == 0
+    assert seen == [["tiny-cpu"]]
 
 
 def test_missing_file_is_one_line(monkeypatch, capsys):
@@ -61,3 +88,22 @@ def test_the_command_table_and_light_commands_import_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, scratchlm.cli; scratchlm.cli.main(['--help']); "
                           "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines()[-1] == "False"
+
+
+def test_output_reaches_a_pipe_line_by_line():
+    # A long job's log must show up while it runs, also when stdout is a pipe (block-buffered).
+    script = ("import time; from scratchlm import cli\n"
+              "cli._resolve = lambda name: lambda argv: (print('step 1 | loss 4.2'), time.sleep(60))\n"
+              "cli.main(['train'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=30), "no output within 30 s while the command runs"
+        assert proc.stdout.readline().strip() == "step 1 | loss 4.2"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -45,3 +45,19 @@ def test_mixed_dtypes():
     b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
     a.grad, b.grad = torch.full((4,), 3.0), torch.full((4,), 4.0, dtype=torch.float64)
     assert abs(clip_grad_norm([a, b], 1.0).item() - 10.0) < 1e-5
+
+
+def test_sharded_norm_in_a_world_of_one_is_the_plain_norm():
+    """Rebuilding per-tensor norms from all-reduced squares is exact with one rank: sqrt(x²) = x."""
+    import torch.distributed as dist
+
+    from scratchlm.optim.clip import global_grad_norm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for seed in range(20):
+            grads = [p.grad for p in _params_with_grads(10.0 ** (seed % 5 - 2), seed)]
+            sharded = [True, False, True]
+            assert torch.equal(global_grad_norm(grads, sharded=sharded), global_grad_norm(grads)), seed
+    finally:
+        dist.destroy_process_group()

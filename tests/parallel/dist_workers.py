@@ -226,7 +226,7 @@ def engine_job(rank: int, world: int, strategy: str, kind: str = "lm", steps: in
             engine.sync_gradients(model)
             norm = engine.clip_grad_norm(model, clip)
             opt.step()
-            return engine.all_reduce_mean(loss.item()), norm
+            return engine.all_reduce_mean(loss.item()), float(norm)
 
         losses, norms = [], []
         for i in range(steps - 1):
@@ -257,3 +257,43 @@ def run_engine_jobs(rank: int, world: int, jobs: list[tuple]) -> list[dict[str, 
 def run_all(rank: int, world: int, wrapper_jobs: list[tuple], engine_jobs: list[tuple]) -> tuple[list, list]:
     """Both kinds of jobs in one process group."""
     return run_many(rank, world, wrapper_jobs), run_engine_jobs(rank, world, engine_jobs)
+
+
+class LayersNet(nn.Module):
+    """Only scratchlm's own layers (Embedding, RMSNorm, Linear): what FSDP shards or replicates."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 16) -> None:
+        super().__init__()
+        from scratchlm.model.layers import Embedding, Linear, RMSNorm
+
+        self.emb = Embedding(vocab, d)
+        self.norm = RMSNorm(d)
+        self.up = Linear(d, 40)
+        self.down = Linear(40, d)
+        self.head = Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(ids))
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def sgd_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One global batch of (inputs, targets), world x BATCH_PER_RANK rows."""
+    (step,) = batches(1, world, seed=5)
+    return torch.cat([x for x, _ in step]), torch.cat([y for _, y in step])
+
+
+def fsdp_sgd_step(rank: int, world: int, lr: float = 0.1) -> dict[str, torch.Tensor]:
+    """One plain-SGD step of FSDP(LayersNet) in float32 on this rank's rows; the full parameters after it."""
+    from scratchlm.model.functional import cross_entropy
+    from scratchlm.parallel.fsdp import FSDP
+
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = FSDP(LayersNet())
+    x, y = (t.chunk(world)[rank] for t in sgd_batch(world))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    cross_entropy(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    opt.step()
+    return {k: v.cpu() for k, v in model.gather_full_params().items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer import encode_corpus as ec
-from scratchlm.tokenizer.encode_corpus import encode_corpus, token_dtype
+from scratchlm.data.token_file import token_dtype
+from scratchlm.tokenizer.encode_corpus import encode_corpus
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train import train_bpe
 
@@ -186,12 +188,49 @@ def test_changed_input_discards_resume_state(tokenizer, tmp_path, monkeypatch):
     np.testing.assert_array_equal(read_bin(out), tokenizer.encode(new_text))
 
 
-def test_empty_input_gives_empty_token_file(tokenizer, tmp_path):
+def test_empty_input_is_a_user_error(tokenizer, tmp_path):
     src = tmp_path / "empty.txt"
     src.write_bytes(b"")
-    meta = encode_corpus(src, tokenizer, tmp_path / "e.bin", progress=False)
-    assert meta["num_tokens"] == 0 and meta["num_documents"] == 0
-    assert (tmp_path / "e.bin").stat().st_size == 0
+    with pytest.raises(UserError, match="input file is empty"):
+        encode_corpus(src, tokenizer, tmp_path / "e.bin", progress=False)
+    assert not list(tmp_path.glob("e.*"))
+
+
+def test_invalid_utf8_leaves_no_resume_state_and_names_the_cli_flag(tokenizer, tmp_path):
+    src = tmp_path / "bad.txt"
+    src.write_bytes(random_text(6, 4_000).encode("utf-8") + b"\xff tail")
+    with pytest.raises(UserError, match="--errors replace") as info:
+        encode_corpus(src, tokenizer, tmp_path / "bad.bin", num_workers=1, chunk_bytes=1000, progress=False)
+    assert "errors='replace'" in str(info.value)  # the library spelling too
+    assert not (tmp_path / "bad.bin.partial").exists() and not (tmp_path / "bad.bin.parts").exists()
+
+
+_real_encode_chunk = ec._encode_chunk
+
+
+def _die_on_chunk_5(job, *args, **kwargs):
+    """A worker's task (pickled by name, so defined here) that kills its worker on chunk 5."""
+    if job[0] == 5:
+        os._exit(1)
+    return _real_encode_chunk(job, *args, **kwargs)
+
+
+def test_a_dead_worker_keeps_the_parts_and_a_rerun_resumes(tokenizer, tmp_path, monkeypatch):
+    import multiprocessing
+
+    text = random_text(7, 8_000, eot_every=20)
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "c.bin"
+    monkeypatch.setattr(ec, "_pool_context", lambda: multiprocessing.get_context("fork"))
+    with monkeypatch.context() as m:
+        m.setattr(ec, "_encode_chunk", _die_on_chunk_5)
+        with pytest.raises(UserError, match="worker died.*running the same command again resumes"):
+            encode_corpus(src, tokenizer, out, num_workers=2, chunk_bytes=1000, progress=False)
+    assert (tmp_path / "c.bin.parts" / "state.json").is_file() and not out.exists()
+    encode_corpus(src, tokenizer, out, num_workers=2, chunk_bytes=1000, progress=False)
+    np.testing.assert_array_equal(read_bin(out), tokenizer.encode(text))
+    assert not (tmp_path / "c.bin.parts").exists() and not (tmp_path / "c.bin.partial").exists()
 
 
 def test_spawned_workers_reload_the_tokenizer_from_its_directory(tokenizer, tokenizer_dir, tmp_path,

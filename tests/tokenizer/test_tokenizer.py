@@ -210,3 +210,84 @@ def test_encode_iterable_keeps_the_caches_within_their_bounds(trained, tinystori
         largest = max(largest, len(tok._cache))
     assert ids == expected
     assert 1000 < largest <= 1500 and len(tok._pretokens) <= 1000 + 2000
+
+
+# --- long pretokens ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """A 1,000-token vocabulary that learned merges of long space and newline runs, and Hugging
+    Face ``tokenizers`` loaded from the same vocabulary and merges."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from scratchlm.tokenizer.train import train_bpe
+
+    rng = random.Random(0)
+    words = [_letters(rng.randrange(1, 8), seed) for seed in range(3000)]
+    text = "".join(rng.choice(words) + rng.choice([" ", "\n", "\t"]) * rng.choice([1, 1, 1, 2, 3, 4, 8, 16, 32, 64])
+                   for _ in range(30_000))
+    path = tmp_path_factory.mktemp("long") / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    vocab, merges = train_bpe(path, 1000, [EOT], workers=1)
+    tok = Tokenizer(vocab, merges, [EOT])
+    learned = set(tok.vocab.values())
+    assert {b" " * 16, b"\n" * 16, b"\t" * 16} <= learned and len(tok.merges) == 1000 - 257
+    tok.save(path.parent / "tok")
+    return tok, tokenizers.Tokenizer.from_file(str(path.parent / "tok" / "tokenizer.json"))
+
+
+def _letters(n: int, seed: int, alphabet: str = "abcdefghijklmnopqrstuvwxyz") -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choices(alphabet, k=n))
+
+
+LONG_INPUTS = {
+    "100K spaces": lambda: " " * 100_000,
+    "100K newlines": lambda: "\n" * 100_000,
+    "100K tabs between words": lambda: "cat" + "\t" * 100_000 + "mat",
+    "1 MB of random letters": lambda: _letters(1_000_000, 1),
+    "1 MB of one letter": lambda: "z" * 1_000_000,
+    "1 MB of two letters": lambda: _letters(1_000_000, 2, "at"),
+}
+
+
+@pytest.mark.parametrize("name", LONG_INPUTS)
+def test_long_pretokens_match_hf_tokenizers_in_n_log_n_time(long_runs, name):
+    import time
+
+    tok, hf = long_runs
+    text = LONG_INPUTS[name]()
+    fresh = Tokenizer(tok.vocab, tok.merges, tok.special_tokens)
+    fresh.encode("warm up numpy")
+    start = time.perf_counter()
+    ids = fresh.encode(text)
+    seconds = time.perf_counter() - start
+    assert ids == hf.encode(text).ids
+    # Generous: about 0.1-0.7 s on an idle core, and over a minute when merging was quadratic.
+    assert seconds < 5, f"{name} took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["numpy rounds then heap", "heap only"])
+def test_long_pretoken_merge_equals_the_per_word_loop(long_runs, gpt2_tokenizer, monkeypatch, bulk):
+    from scratchlm.tokenizer import tokenizer as module
+
+    rng = random.Random(3)
+    pieces = ["a", "t", "the", "cat", " ", "  ", "\n", "é", "日本", "zz", "q"]
+    words = ["".join(rng.choice(pieces) for _ in range(rng.randrange(20, 200))) for _ in range(150)]
+    for tok in (long_runs[0], gpt2_tokenizer):
+        tok = Tokenizer(tok.vocab, tok.merges, tok.special_tokens)
+        if not bulk:
+            tok._bulk = False
+        long = [tok._merge_long(list(w.encode("utf-8").decode("latin-1").translate(tok._byte_chars)))
+                for w in words]
+        monkeypatch.setattr(module, "LONG_PRETOKEN", 1 << 30)
+        assert long == [tok._merge_loop(w.encode("utf-8")) for w in words]
+        monkeypatch.undo()
+
+
+def test_a_merge_listed_twice_changes_nothing_for_long_pretokens(long_runs):
+    tok, hf = long_runs
+    merges = list(tok.merges)
+    doubled = Tokenizer(tok.vocab, merges[:5] + merges[2:3] + merges[5:], tok.special_tokens)
+    for text in (" " * 5000, _letters(5000, 4), "ab" * 3000):
+        assert doubled.encode(text) == hf.encode(text).ids
+        assert doubled._merge_long(list(text)) == tok._merge_long(list(text))

@@ -116,7 +116,7 @@ def test_small_corpus_takes_fast_path(tmp_path, monkeypatch, tinystories):
     def no_pool(*args, **kwargs):
         raise AssertionError("a worker pool was started for a small corpus")
 
-    monkeypatch.setattr(train_module, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(train_module, "worker_pool", no_pool)
     start = time.perf_counter()
     vocab, merges = train_bpe(path, 1000, ["<|endoftext|>"])
     assert len(vocab) == 1000

@@ -106,7 +106,8 @@ def test_run_checkpoints_latest_and_keep_last_n(tmp_path):
     assert path.name == "step_000030"
     assert [p.name for p in ckpt.list_steps(tmp_path)] == ["step_000020", "step_000030"]
     assert ckpt.latest_step_dir(tmp_path) == path
-    assert sorted(p.name for p in path.iterdir()) == ["config.toml", "model.safetensors", "optimizer.pt", "state.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["checksums.json", "config.toml", "model.safetensors",
+                                                      "optimizer.pt", "state.pt"]
     assert not list((tmp_path / "checkpoints").glob(".staging*"))
 
 
@@ -165,3 +166,61 @@ def test_single_file_checkpoint_of_a_built_model_is_self_describing(tmp_path):
     ckpt.save_checkpoint(model, opt, 2, tmp_path / "c.pt")  # build_model records the config
     _, cfg, _ = ckpt.load_trained_model(tmp_path / "c.pt")
     assert cfg == TINY
+
+
+# ---------------------------------------------------------------- checksums and damage
+
+
+def test_checksums_cover_every_file_of_a_step_and_catch_one_flipped_bit(tmp_path):
+    import hashlib
+    import json
+
+    model, opt = _trained()
+    step_dir = _save_step(tmp_path, 5, model, opt)
+    recorded = json.loads((step_dir / ckpt.CHECKSUMS).read_text())
+    assert recorded["algorithm"] == "sha256"
+    assert recorded["files"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                 for p in step_dir.iterdir() if p.name != ckpt.CHECKSUMS}
+    ckpt.verify_step_dir(step_dir)
+    data = bytearray((step_dir / "model.safetensors").read_bytes())
+    data[-3] ^= 1  # one bit of one weight: loads without complaint, only the checksum sees it
+    (step_dir / "model.safetensors").write_bytes(bytes(data))
+    ckpt.load_weights(step_dir / "model.safetensors")
+    with pytest.raises(ckpt.DamagedCheckpoint, match=r"model\.safetensors is damaged.*sha256"):
+        ckpt.verify_step_dir(step_dir)
+    with pytest.raises(UserError, match=r"model\.safetensors is damaged"):
+        ckpt.load_trained_model(step_dir)
+
+
+def test_truncated_files_are_named_even_without_checksums(tmp_path):
+    model, opt = _trained()
+    step_dir = _save_step(tmp_path, 5, model, opt)
+    (step_dir / ckpt.CHECKSUMS).unlink()
+    ckpt.verify_step_dir(step_dir)  # an intact old-format directory passes
+    for name in ("model.safetensors", "optimizer.pt"):
+        path = step_dir / name
+        intact = path.read_bytes()
+        path.write_bytes(intact[: len(intact) // 2])
+        with pytest.raises(ckpt.DamagedCheckpoint, match=rf"{path}.*damaged"):
+            ckpt.verify_step_dir(step_dir)
+        with pytest.raises(ckpt.DamagedCheckpoint, match=rf"{path}.*damaged"):
+            ckpt.load_weights(path) if name.endswith("safetensors") else ckpt.read_torch(path)
+        path.write_bytes(intact)
+
+
+def test_a_truncated_single_file_checkpoint_names_the_file(tmp_path):
+    model, opt = _trained()
+    path = tmp_path / "c.pt"
+    ckpt.save_checkpoint(model, opt, 3, path)
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(UserError, match=rf"{path}.*damaged"):
+        ckpt.load_checkpoint(path, _trained(steps=0)[0])
+
+
+def test_a_run_without_latest_loads_its_newest_step(tmp_path):
+    model, opt = _trained()
+    _save_step(tmp_path, 5, model, opt)
+    newest = _save_step(tmp_path, 9, model, opt)
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert ckpt.resolve_checkpoint(tmp_path) == newest
+    assert ckpt.find_resume_checkpoint(tmp_path) == newest

@@ -446,3 +446,15 @@ def test_steps_match_a_plain_torch_recipe_given_the_same_weights_and_batches(cfg
         for (name, a), b in zip(trainer.raw_model.named_parameters(), model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} after update {s}")
     assert trainer._lr > 0 and lr_of(steps) == pytest.approx(oc.min_lr)
+
+
+def test_the_trainer_always_holds_a_strategy(cfg, tmp_path):
+    """'none' is the single-process strategy; a strategy passed in is the one used."""
+    from scratchlm.parallel.strategies.single import SingleProcess
+    from scratchlm.parallel.strategy import init_strategy
+
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "a")
+    assert type(trainer.strategy) is SingleProcess and trainer.strategy.device == torch.device("cpu")
+    mine = init_strategy(cfg.parallel, device="cpu")
+    assert trainer_mod.Trainer(cfg, tmp_path / "b", strategy=mine).strategy is mine
+    assert trainer_mod.Trainer(cfg, tmp_path / "c", engine=mine).engine is mine  # the older keyword

@@ -73,8 +73,25 @@ def _resolve(name: str):
         raise UserError(f"command {name!r} is not available in this installation ({exc})") from exc
 
 
+def _debug_requested(args: list[str]) -> bool:
+    """`--debug` anywhere on the line (removed from `args`) or SCRATCHLM_DEBUG=1: show tracebacks."""
+    import os
+
+    flag = "--debug" in args
+    while "--debug" in args:
+        args.remove("--debug")
+    return flag or os.environ.get("SCRATCHLM_DEBUG", "") not in ("", "0")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception as one line: its type and the first line of its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(args)
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -84,11 +101,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scratchlm {__version__}")
         return 0
     name, rest = args[0], args[1:]
+    if hasattr(sys.stdout, "reconfigure"):
+        # Piped into a file or `tee`, stdout would hold whole blocks of the log back: flush each line.
+        sys.stdout.reconfigure(line_buffering=True)
     if name not in COMMANDS:
         print(f"scratchlm: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
         result = _resolve(name)(rest)
+    except Exception:
+        if debug:
+            raise
+        return _report(name)
+    except KeyboardInterrupt:
+        print(f"scratchlm {name}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+def _report(name: str) -> int:
+    """Print the exception being handled as one line on stderr; return the exit code."""
+    exc = sys.exc_info()[1]
+    try:
+        raise exc
     except UserError as exc:
         print(f"scratchlm {name}: error: {exc}", file=sys.stderr)
         return 2
@@ -96,16 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"scratchlm {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"scratchlm {name}: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # `scratchlm ... | head` closed the pipe: stop quietly, as Unix tools do.
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    return int(result or 0)
+    except Exception as exc:
+        print(f"scratchlm {name}: error: {_one_line(exc)} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def encode_command(argv: list[str]) -> int:
                          chunk_bytes=chunk, errors=args.errors, progress=not args.no_progress)
     seconds = max(meta["seconds"], 1e-9)
     rate = meta["encoded_bytes"] / seconds / 1e6
-    per_token = meta["source_bytes"] / meta["num_tokens"] if meta["num_tokens"] else float("nan")
+    per_token = meta["source_bytes"] / meta["num_tokens"]  # an empty input is refused
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens ({meta['dtype']}), "
           f"{meta['num_documents']:,} documents, {meta['source_bytes'] / 1e6:.1f} MB in {seconds:.1f} s "
           f"= {rate:.2f} MB/s, {per_token:.2f} bytes/token")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import time
 
 from scratchlm.errors import UserError
@@ -46,12 +48,23 @@ def _dtype_arg(name: str) -> str:
 def _check_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a number >= 0, got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top-k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def _warn_if_context_cuts(prompts: list[list[int]], args: argparse.Namespace, context_length: int) -> None:
+    """With the KV cache a sample stops at the context length: say so before generating."""
+    longest = max(len(ids) for ids in prompts)
+    if args.no_kv_cache or longest + args.max_new_tokens <= context_length:
+        return
+    room = context_length - longest
+    print(f"note: --max-new-tokens {args.max_new_tokens} does not fit context_length={context_length} "
+          f"after a {longest}-token prompt: samples stop after {room} new tokens "
+          "(--no-kv-cache slides the window instead)", file=sys.stderr)
 
 
 def generate_command(argv: list[str]) -> int:
@@ -84,6 +97,7 @@ def generate_command(argv: list[str]) -> int:
                 "shorten it or pass --no-kv-cache (which slides the window)"
             )
         prompts.append(ids)
+    _warn_if_context_cuts(prompts, args, cfg.context_length)
 
     start = time.perf_counter()
     outs = generate(

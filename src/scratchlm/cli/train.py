@@ -15,7 +15,7 @@ from scratchlm.train.config import TrainConfig
 
 
 def train_command(argv: list[str]) -> int:
-    """scratchlm train [CONFIG] [--section.key=value ...] [--resume | --overwrite]"""
+    """scratchlm train [CONFIG] [--section.key=value ...] [--resume | --resume-from STEP | --overwrite]"""
     parser = argparse.ArgumentParser(
         prog="scratchlm train",
         description="Train a Transformer LM. CONFIG is a TOML file or a preset name from configs/; "
@@ -23,42 +23,41 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="TOML config or preset name (default: built-in defaults)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue RUN/checkpoints/latest of trainer.out_dir")
+    mode.add_argument("--resume-from", metavar="STEP",
+                      help="continue from this checkpoint (800 or step_000800); newer ones are set aside")
     mode.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
     cfg = load_config(TrainConfig, args.config, overrides)
-    run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    run_training(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite)
     return 0
 
 
-def run_training(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Prepare the run directory, build the trainer (and the parallel engine when asked), train."""
+def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrite: bool = False) -> dict[str, Any]:
+    """Prepare the run directory, build the trainer with `cfg.parallel`'s strategy, train.
+
+    `resume`: True continues from `checkpoints/latest` (or the newest intact step), a step number
+    or step directory name continues from that checkpoint."""
+    from scratchlm.parallel.strategy import init_strategy
     from scratchlm.train.run_dir import prepare_run_dir
     from scratchlm.train.trainer import Trainer
 
-    engine = None
-    if cfg.parallel.strategy != "none":
-        from scratchlm.parallel.engine import init_engine
-
-        engine = init_engine(cfg.parallel)
-    is_main = engine.is_main if engine else True
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s")
+    strategy = init_strategy(cfg.parallel, device=cfg.trainer.device)
+    logging.basicConfig(level=logging.INFO if strategy.is_main else logging.WARNING, format="%(message)s")
     run_dir = Path(cfg.trainer.out_dir)
     try:
-        if is_main:
-            prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        if strategy.is_main:
+            prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
             if resume:
                 _check_same_model(cfg, run_dir)
-        if engine is not None:
-            engine.barrier()
-        trainer = Trainer(cfg, run_dir, resume=resume, engine=engine)
+        strategy.barrier()
+        trainer = Trainer(cfg, run_dir, resume=resume, strategy=strategy)
         try:
             return trainer.fit()
         finally:
             trainer.logger.close()
     finally:
-        if engine is not None:
-            engine.shutdown()
+        strategy.close()
 
 
 INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights

@@ -13,7 +13,6 @@ process sees, and a run can resume on a different number of ranks with the same 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from scratchlm.data.token_file import DTYPES, read_sidecar
 from scratchlm.errors import UserError
-
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def open_tokens(path: str | os.PathLike, *, context_length: int | None = None) -> np.memmap:
@@ -38,19 +36,9 @@ def open_tokens(path: str | os.PathLike, *, context_length: int | None = None) -
     if not path.is_file():
         raise UserError(f"token file not found: {path}" if not path.is_dir()
                         else f"token file is a directory: {path}")
-    dtype = _DTYPES["uint16"]
-    expected = None
-    sidecar = path.with_suffix(".json")
-    if sidecar.is_file() and sidecar != path:
-        try:
-            meta = json.loads(sidecar.read_text())
-            name = meta.get("dtype", "uint16")
-            expected = meta.get("num_tokens")
-        except (ValueError, AttributeError):
-            raise UserError(f"sidecar {sidecar} is not a JSON object") from None
-        if name not in _DTYPES:
-            raise UserError(f"sidecar {sidecar} names dtype {name!r}; expected one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[name]
+    meta = read_sidecar(path) or {}
+    dtype = DTYPES[meta.get("dtype", "uint16")]
+    expected = meta.get("num_tokens")
     size = path.stat().st_size
     if size == 0:
         raise UserError(f"token file {path} is empty")

@@ -1,4 +1,4 @@
-"""Data parallelism, optimizer-state sharding and FSDP on torch.distributed, and the trainer's engine.
+"""Data parallelism, optimizer-state sharding and FSDP on torch.distributed, and the trainer's strategies.
 
 Names are imported lazily so that importing the package (e.g. for `ParallelConfig`) does not
 import torch.distributed.
@@ -17,6 +17,10 @@ _EXPORTS = {
     "ParallelConfig": "scratchlm.parallel.config",
     "ParallelEngine": "scratchlm.parallel.engine",
     "init_engine": "scratchlm.parallel.engine",
+    "Strategy": "scratchlm.parallel.strategy",
+    "init_strategy": "scratchlm.parallel.strategy",
+    "STRATEGIES": "scratchlm.parallel.registry",
+    "parallelize": "scratchlm.parallel.parallelize",
     "spawn": "scratchlm.parallel.launch",
 }
 

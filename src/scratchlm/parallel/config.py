@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = (
-    "none", "ddp", "ddp_bucketed", "naive_ddp", "flat_ddp", "zero1", "fsdp", "torch_ddp", "torch_fsdp2",
-)
 COMPUTE_DTYPES = ("none", "bf16", "fp16")
 OPTIMIZER_STATE_FORMATS = ("full", "sharded")
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "none"  # one of STRATEGIES; "none" = a single process
+    strategy: str = "none"  # a name of scratchlm.parallel.registry.STRATEGIES; "none" = a single process
     bucket_size_mb: float = 25.0  # gradient bucket size for "ddp_bucketed" (and torch_ddp's bucket_cap_mb)
     backend: str = "auto"  # "auto" (nccl on CUDA, else gloo), "nccl" or "gloo"
     compute_dtype: str = "none"  # FSDP compute dtype: "none" (= master fp32), "bf16" or "fp16"
@@ -25,6 +22,8 @@ class ParallelConfig:
     timeout_s: float = 600.0  # collective timeout: a rank stuck this long fails instead of hanging
 
     def __post_init__(self) -> None:
+        from scratchlm.parallel.registry import STRATEGIES
+
         if self.strategy not in STRATEGIES:
             raise ValueError(f"parallel.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.backend not in ("auto", "nccl", "gloo"):

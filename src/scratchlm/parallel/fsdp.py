@@ -39,6 +39,11 @@ Bitwise equality. In fp32 with two ranks, training with FSDP gives the same bits
 process back-propagating the mean of the two halves' losses, for the same reason as in
 `DDP`: forward computes with bit-identical full weights, each rank's full gradient is the
 single-process gradient of its half, the reduce-scatter adds two terms, and /2 is exact.
+One process running the whole batch in one forward is not reproducible bit for bit: a Linear
+weight's gradient is then one matrix product over all tokens, summed in the BLAS kernel's
+order, which no combination of the halves' gradients reproduces in general
+(tests/parallel/test_fsdp_numerics.py shows two batches with identical halves' gradients and
+different full-batch gradients); it agrees to an ulp or two after an SGD step.
 """
 
 from __future__ import annotations

@@ -132,6 +132,40 @@ class BulkMerger:
         return self._strings(np.concatenate(done_words), np.concatenate(done_lengths),
                              np.concatenate(done_tokens))
 
+    def merge_rounds(self, tokens: np.ndarray, min_fraction: float) -> tuple[np.ndarray, bool]:
+        """Merge rounds over one long word (token ids), while each round merges enough.
+
+        A round merges every occurrence of the word's lowest-ranked pair, as ``_merge`` does.
+        Rounds go on while a round merges at least ``min_fraction`` of the word's tokens, so
+        their total cost stays linear in the word's length; returns the tokens reached and
+        whether no mergeable pair is left. Long runs of one character (whitespace, say) halve
+        in a few rounds here, where a merge at a time costs a heap operation each.
+        """
+        tokens = tokens.astype(np.int32)
+        while len(tokens) > 1:
+            ranks = self._word_pair_ranks(tokens)
+            best = ranks.min()
+            if best == _NONE:
+                return tokens, True
+            hits = _without_overlaps(np.flatnonzero(ranks == best))
+            tokens[hits] = self._merged_by_rank[best]
+            tokens = np.delete(tokens, hits + 1)
+            if len(hits) < min_fraction * (len(tokens) + len(hits)):
+                return tokens, False
+        return tokens, True
+
+    def pair_ranks(self, tokens: np.ndarray) -> np.ndarray:
+        """The rank of each adjacent pair of one word's tokens, -1 where the pair is not merged."""
+        ranks = self._word_pair_ranks(tokens)
+        ranks[ranks == _NONE] = -1
+        return ranks
+
+    def _word_pair_ranks(self, tokens: np.ndarray) -> np.ndarray:
+        keys = tokens[:-1].astype(np.int64)
+        keys *= self._base
+        keys += tokens[1:]
+        return self._rank_of_keys(keys)
+
     def _strings(self, words: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> list[str]:
         """Token strings in word order, from words finished in any order (``words[i]`` has
         ``lengths[i]`` tokens, concatenated in ``tokens``)."""

@@ -22,11 +22,16 @@ Design decisions:
   the corpus size.
 * **Atomic and resumable.** Tokens go to ``OUT.bin.partial``; ``OUT.bin.parts/state.json``
   records the cut plan and how many parts have been appended. An interrupted run resumes from
-  there (same input file, size and mtime, same tokenizer); anything else starts over. Only
+  there (same input file, size and mtime, same tokenizer); anything else starts over. A run
+  stopped by a signal or a dead worker keeps these files for that resume (the error says so);
+  a run that fails on input that is not UTF-8 removes them, since the same call would only
+  fail again (and ``errors="replace"`` makes a different plan). Only
   after the rename to ``OUT.bin`` is the sidecar written (old sidecars are removed first), so a
   token file with a sidecar is always complete, and ``open_tokens`` checks the size against it.
 * **UTF-8.** Input must be UTF-8 (``errors="strict"``, the default: a bad byte raises a
-  ``UserError`` naming its offset); ``errors="replace"`` encodes invalid bytes as U+FFFD instead.
+  ``UserError`` naming its offset and both spellings of the fix, ``--errors replace`` for the
+  command line and ``errors="replace"`` for Python); ``errors="replace"`` encodes invalid bytes
+  as U+FFFD instead. An empty input file is a ``UserError``.
   Cuts fall on ASCII bytes, so decoding chunk by chunk equals decoding the whole file.
 """
 
@@ -40,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
 from dataclasses import dataclass
@@ -50,12 +55,18 @@ from typing import Any
 import numpy as np
 import regex
 
+from scratchlm.data.token_file import sidecar_path, token_dtype
 from scratchlm.errors import UserError
+from scratchlm.tokenizer.worker_pool import worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
 _SCAN_BLOCK = 1 << 20  # bytes read at a time while looking for a safe cut
 _STATE_VERSION = 1
 _WHITESPACE = regex.compile(r"\s")
+
+
+class _InvalidInput(UserError):
+    """The input is not UTF-8 (errors="strict"): rerunning the same call cannot succeed."""
 
 
 @dataclass(frozen=True)
@@ -74,16 +85,6 @@ class _Plan:
         return {**self.__dict__, "bounds": list(self.bounds)}
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` when every id fits (vocab_size <= 65536), otherwise ``uint32``; little-endian."""
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def sidecar_path(bin_path: str | os.PathLike) -> Path:
-    """``X.bin -> X.json``: where the metadata of a token file lives."""
-    return Path(bin_path).with_suffix(".json")
-
-
 def encode_corpus(
     input_path: str | os.PathLike,
     tokenizer_or_dir: Any,
@@ -100,97 +101,155 @@ def encode_corpus(
     to the usable CPU count; ``chunk_bytes`` (the target size of one unit of work) defaults to
     a size that gives every worker several chunks. Returns the sidecar dict plus
     ``seconds`` and ``encoded_bytes`` (the work of this call, for throughput figures).
+
+    An interrupted run (Ctrl-C, a killed process, a worker that died) leaves ``OUT.bin.partial``
+    and ``OUT.bin.parts/``, and the same call again resumes from them; input that is not UTF-8
+    (with ``errors="strict"``) removes them, as rerunning the same call could only fail again.
     """
     if errors not in ("strict", "replace"):
         raise UserError(f"errors must be 'strict' or 'replace', not {errors!r}")
     source = _check_input(Path(input_path))
-    out = _check_output(Path(out_path), source)
+    files = _OutputFiles.of(_check_output(Path(out_path), source))
     tokenizer, tokenizer_arg = _resolve_tokenizer(tokenizer_or_dir)
     workers = _default_workers() if num_workers is None else int(num_workers)
     if workers < 1:
         raise UserError(f"--workers must be at least 1, not {workers}")
-
-    vocab_size = int(tokenizer.vocab_size)
-    dtype = token_dtype(vocab_size)
-    special = _special_tokens(tokenizer)
-    separator = DOCUMENT_SEPARATOR if DOCUMENT_SEPARATOR in special else (special[0] if special else None)
-    separator_id = _special_id(tokenizer, separator) if separator is not None else None
-
     stat = source.stat()
-    size = stat.st_size
+    if stat.st_size == 0:
+        raise UserError(f"input file is empty: {source} (nothing to encode; check the path)")
     if chunk_bytes is None:
-        chunk_bytes = min(16 << 20, max(1 << 20, size // (4 * workers) + 1))
+        chunk_bytes = min(16 << 20, max(1 << 20, stat.st_size // (4 * workers) + 1))
     if chunk_bytes < 1:
         raise UserError(f"chunk_bytes must be positive, not {chunk_bytes}")
 
-    parts_dir = out.with_name(out.name + ".parts")
-    partial = out.with_name(out.name + ".partial")
-    sidecar = sidecar_path(out)
+    dtype = token_dtype(int(tokenizer.vocab_size))
     # A sidecar is the mark of a complete token file: remove the old one before touching tokens.
-    sidecar.unlink(missing_ok=True)
+    files.sidecar.unlink(missing_ok=True)
+    plan, state = _start_or_resume(files, source, stat, tokenizer, dtype, errors, chunk_bytes)
+    t0 = time.perf_counter()
+    try:
+        encoded_bytes = _encode_parts(plan, state, files, tokenizer, tokenizer_arg, workers, progress)
+    except _InvalidInput:
+        files.discard()
+        raise
+    except BrokenProcessPool:
+        raise UserError(f"an encoding worker died (out of memory? try fewer --workers); the chunks "
+                        f"finished so far are kept in {files.parts_dir}, and running the same "
+                        "command again resumes from them") from None
+    elapsed = time.perf_counter() - t0
+    meta = _finish(files, plan, state, tokenizer)
+    return {**meta, "seconds": elapsed, "encoded_bytes": encoded_bytes}
 
-    plan = _load_resumable_plan(parts_dir, partial, source, stat, str(tokenizer.hash), dtype, errors)
-    if plan is None:
-        shutil.rmtree(parts_dir, ignore_errors=True)
-        partial.unlink(missing_ok=True)
-        bounds = _find_bounds(source, size, chunk_bytes, separator, special)
-        plan = _Plan(str(source), size, stat.st_mtime_ns, str(tokenizer.hash), dtype.name,
-                     errors, tuple(bounds))
-        parts_dir.mkdir(parents=True)
-        state = {"version": _STATE_VERSION, "plan": plan.to_json(), "appended": 0,
-                 "offset": 0, "num_tokens": 0, "num_documents": 0, "last_in_document": False}
-        _write_json(parts_dir / "state.json", state)
-    else:
-        state = json.loads((parts_dir / "state.json").read_text())
-        with open(partial, "r+b") as f:  # drop bytes appended after the last recorded state
+
+@dataclass(frozen=True)
+class _OutputFiles:
+    """The token file and what is written on the way to it."""
+
+    out: Path  # OUT.bin, only ever replaced by a complete file
+    partial: Path  # OUT.bin.partial, the parts appended so far
+    parts_dir: Path  # OUT.bin.parts/: finished parts not yet appended, and state.json
+    sidecar: Path  # OUT.json, written last
+
+    @classmethod
+    def of(cls, out: Path) -> _OutputFiles:
+        return cls(out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".parts"),
+                   sidecar_path(out))
+
+    def discard(self) -> None:
+        """Remove the resume state and the partial token file."""
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self.partial.unlink(missing_ok=True)
+
+
+def _start_or_resume(files: _OutputFiles, source: Path, stat: os.stat_result, tokenizer: Any,
+                     dtype: np.dtype, errors: str, chunk_bytes: int) -> tuple[_Plan, dict[str, Any]]:
+    """The cut plan and append state: an interrupted run's if it can resume, else a fresh one."""
+    plan = _load_resumable_plan(files.parts_dir, files.partial, source, stat, str(tokenizer.hash), dtype, errors)
+    if plan is not None:
+        state = json.loads((files.parts_dir / "state.json").read_text())
+        with open(files.partial, "r+b") as f:  # drop bytes appended after the last recorded state
             f.truncate(state["offset"])
+        return plan, state
+    files.discard()
+    separator, special = _document_separator(tokenizer)
+    bounds = _find_bounds(source, stat.st_size, chunk_bytes, separator, special)
+    plan = _Plan(str(source), stat.st_size, stat.st_mtime_ns, str(tokenizer.hash), dtype.name,
+                 errors, tuple(bounds))
+    files.parts_dir.mkdir(parents=True)
+    state = {"version": _STATE_VERSION, "plan": plan.to_json(), "appended": 0,
+             "offset": 0, "num_tokens": 0, "num_documents": 0, "last_in_document": False}
+    _write_json(files.parts_dir / "state.json", state)
+    return plan, state
 
+
+def _document_separator(tokenizer: Any) -> tuple[str | None, list[str]]:
+    """The special token that separates documents (``<|endoftext|>`` if the tokenizer has it,
+    else its first special token, or None), and all its special tokens."""
+    special = _special_tokens(tokenizer)
+    separator = DOCUMENT_SEPARATOR if DOCUMENT_SEPARATOR in special else (special[0] if special else None)
+    return separator, special
+
+
+def _encode_parts(plan: _Plan, state: dict[str, Any], files: _OutputFiles, tokenizer: Any,
+                  tokenizer_arg: Any, workers: int, progress: bool) -> int:
+    """Encode the chunks not done yet and append all parts, in order, to the partial file.
+
+    Returns the number of source bytes encoded by this call.
+    """
+    dtype = np.dtype(plan.dtype)
     num_chunks = len(plan.bounds) - 1
-    todo = [i for i in range(state["appended"], num_chunks) if not _part_done(parts_dir, i, dtype)]
+    todo = [i for i in range(state["appended"], num_chunks) if not _part_done(files.parts_dir, i, dtype)]
     jobs = [(i, plan.bounds[i], plan.bounds[i + 1]) for i in todo]
-    already = size - sum(end - start for _, start, end in jobs)
+    encoded = sum(end - start for _, start, end in jobs)
+    separator, _ = _document_separator(tokenizer)
+    separator_id = _special_id(tokenizer, separator) if separator is not None else None
 
     workers = min(workers, max(1, len(jobs)))
     context = _pool_context()  # before the progress bar, whose monitor thread rules out fork
-    bar = _progress_bar(size, already, progress, out.name)
-    t0 = time.perf_counter()
+    bar = _progress_bar(plan.source_bytes, plan.source_bytes - encoded, progress, files.out.name)
     try:
-        finished = _run_jobs(jobs, str(source), str(parts_dir), errors, dtype.str, separator_id,
-                             vocab_size, tokenizer, tokenizer_arg, workers, context)
-        with open(partial, "ab") as sink, closing(finished):
+        finished = _run_jobs(jobs, plan.source, str(files.parts_dir), plan.errors, dtype.str, separator_id,
+                             int(tokenizer.vocab_size), tokenizer, tokenizer_arg, workers, context)
+        with open(files.partial, "ab") as sink, closing(finished):
             # parts finish in any order; append them in file order as soon as the next is ready
             ready = set(range(state["appended"], num_chunks)) - set(todo)
             for index in finished:
                 ready.add(index)
                 if bar is not None:
                     bar.update(plan.bounds[index + 1] - plan.bounds[index])
-                while state["appended"] in ready:
-                    _append_part(sink, parts_dir, state)
-                    _write_json(parts_dir / "state.json", state)
-            while state["appended"] in ready:  # parts found complete on disk when resuming
-                _append_part(sink, parts_dir, state)
-                _write_json(parts_dir / "state.json", state)
+                _append_ready(sink, files.parts_dir, state, ready)
+            _append_ready(sink, files.parts_dir, state, ready)  # parts found complete on disk when resuming
             os.fsync(sink.fileno())
     finally:
         if bar is not None:
             bar.close()
-    elapsed = time.perf_counter() - t0
     if state["appended"] != num_chunks:
         raise RuntimeError(f"encoded {state['appended']} of {num_chunks} chunks")  # a bug, not user input
+    return encoded
 
-    os.replace(partial, out)
+
+def _append_ready(sink, parts_dir: Path, state: dict[str, Any], ready: set[int]) -> None:
+    """Append the parts that are next in file order and finished, recording each in state.json."""
+    while state["appended"] in ready:
+        _append_part(sink, parts_dir, state)
+        _write_json(parts_dir / "state.json", state)
+
+
+def _finish(files: _OutputFiles, plan: _Plan, state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Rename the partial file into place, then write its sidecar; the sidecar's fields."""
+    os.replace(files.partial, files.out)
     meta = {
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
+        "dtype": plan.dtype,
+        "vocab_size": int(tokenizer.vocab_size),
         "tokenizer_hash": str(tokenizer.hash),
         "num_documents": int(state["num_documents"]),
         "num_tokens": int(state["num_tokens"]),
-        "source": str(source),
-        "source_bytes": size,
+        "source": plan.source,
+        "source_bytes": plan.source_bytes,
     }
-    _write_json(sidecar, meta)
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    return {**meta, "seconds": elapsed, "encoded_bytes": size - already}
+    _write_json(files.sidecar, meta)
+    shutil.rmtree(files.parts_dir, ignore_errors=True)
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,8 +421,9 @@ def _encode_chunk(job: tuple[int, int, int], source: str, parts_dir: str, errors
     try:
         text = data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as exc:
-        raise UserError(f"{source} is not valid UTF-8: byte 0x{data[exc.start]:02x} at offset "
-                        f"{start + exc.start} (use errors='replace' to encode bad bytes as U+FFFD)") from None
+        raise _InvalidInput(f"{source} is not valid UTF-8: byte 0x{data[exc.start]:02x} at offset "
+                            f"{start + exc.start} (to encode bad bytes as U+FFFD instead, pass --errors "
+                            "replace on the command line, errors='replace' from Python)") from None
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise RuntimeError(f"tokenizer produced an id outside [0, {vocab_size})")
@@ -405,14 +465,11 @@ def _run_jobs(jobs: list[tuple[int, int, int]], source: str, parts_dir: str, err
     # An executor rather than a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     # A forked worker inherits the loaded tokenizer; a spawned one reloads it from its directory.
     shared = tokenizer if context.get_start_method() == "fork" else tokenizer_arg
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                             initargs=(shared,)) as pool:
+    with worker_pool(workers, context, initializer=_init_worker, initargs=(shared,)) as pool:
         futures = [pool.submit(_encode_chunk, job, *common) for job in jobs]
         try:
             for future in as_completed(futures):
                 yield future.result()
-        except BrokenProcessPool:
-            raise UserError("an encoding worker died (out of memory? try fewer --workers)") from None
         finally:
             for future in futures:
                 future.cancel()

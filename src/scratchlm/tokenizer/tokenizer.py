@@ -12,7 +12,10 @@ of them joined into one string, one merge loop over all their new pretokens at o
 
 BPE on a pretoken follows tiktoken: a pretoken that is a token of its own maps to it; otherwise
 repeatedly merge the leftmost adjacent pair that comes earliest in the merge list, until no
-adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). Ids come
+adjacent pair is in it (for vocabularies learned by BPE this is GPT-2's algorithm). A pretoken
+longer than LONG_PRETOKEN (a whitespace run, a long word) takes numpy merge rounds and a heap
+instead of the per-word loop, which rescans the word after every merge: any input encodes in
+O(n log n). Ids come
 from the vocabulary given, so GPT-2's own ``encoder.json`` (whose byte ids are not the byte values) works as well as ``train_bpe`` output.
 
 Decoding joins token bytes and decodes them as UTF-8, replacing invalid sequences with U+FFFD.
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import array
 import hashlib
+import heapq
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -52,6 +57,11 @@ MAX_CACHE_PRETOKENS = 1 << 17
 # Fewer new pretokens than this go through the per-word merge loop rather than BulkMerger,
 # whose fixed cost per merge round only pays off over many words.
 BULK_MERGE_MIN = 256
+# Pretokens longer than this (in bytes, or characters when choosing the merge path) merge with
+# a heap, O(n log n): the per-word loop rescans the word after each merge, O(n^2).
+LONG_PRETOKEN = 64
+# _merge_long's numpy rounds go on while a round merges at least this fraction of the tokens.
+BULK_ROUND_MIN_FRACTION = 1 / 32
 # encode() encodes the new units of about this many characters of text together, and turns
 # their token strings into ids, so memory stays proportional.
 ENCODE_BLOCK_CHARS = 1 << 20
@@ -62,6 +72,11 @@ UNIT_BLOCK_CHARS = 1 << 14
 # encode_iterable encodes roughly this many characters at a time.
 STREAM_BLOCK_CHARS = 1 << 16
 
+
+
+# A non-whitespace character followed by a space and another non-whitespace character (stdlib
+# ``re``'s \\s is ``str.isspace``): ``_blocks`` cuts before that space.
+_CUT_RE = re.compile(r"\S \S")
 
 
 class UnknownTokenError(UserError, ValueError):
@@ -272,9 +287,11 @@ class Tokenizer:
         """The merged token string (chr(id) per token) of a pretoken's bytes, one word at a time."""
         chars = data.decode("latin-1")
         parts = list(chars if self._bytes_are_ids else chars.translate(self._byte_chars))
+        if len(parts) > LONG_PRETOKEN:
+            return self._merge_long(parts)
         get = self._ranks.get
         merged_of = self._merged
-        never = len(self._ranks)
+        never = len(self.merges)  # past every rank, also where a merge listed twice left a gap
         # ranks[k]: rank of the pair (parts[k], parts[k + 1]); only the two pairs next to a
         # merge change, so each step is a C-level min() plus two lookups.
         ranks = [get(parts[k] + parts[k + 1], never) for k in range(len(parts) - 1)]
@@ -293,6 +310,76 @@ class Tokenizer:
                 ranks[k] = get(token + parts[k + 1], never)
         return "".join(parts)
 
+    def _merge_long(self, parts: list[str]) -> str:
+        """``_merge_loop`` for a long pretoken, in O(n log n) rather than O(n^2).
+
+        First come merge rounds of the bulk merger (every occurrence of the best pair at once, in
+        numpy) as long as each merges at least BULK_ROUND_MIN_FRACTION of the tokens: linear in
+        all, and what makes long whitespace runs fast. Then a heap takes over.
+
+        The heap makes the same merges in the same order: it holds ``rank * n + position`` (one
+        int compares faster than a tuple) and pops the lowest-ranked pair, the leftmost among
+        equals (positions are the tokens' first bytes, so their order is the text's). Merged-away
+        tokens become empty strings, and neighbours are linked by index. A heap entry is stale
+        once its left token is gone or its pair has changed (a rank names one pair, so the
+        pair's current rank tells).
+        """
+        bulk = self._bulk_merger()
+        if bulk is None:
+            get = self._ranks.get
+            n = len(parts)
+            heap = [rank * n + k for k, rank in enumerate(map(get, map(str.__add__, parts, parts[1:])))
+                    if rank is not None]
+            heapq.heapify(heap)
+        else:
+            import numpy as np
+
+            ids = np.frombuffer("".join(parts).encode(_UTF32, "surrogatepass"), np.uint32)
+            ids, done = bulk.merge_rounds(ids, BULK_ROUND_MIN_FRACTION)
+            text = ids.astype(np.uint32).tobytes().decode(_UTF32, "surrogatepass")
+            if done:
+                return text
+            parts = list(text)
+            n = len(parts)
+            ranks = bulk.pair_ranks(ids)
+            at = np.flatnonzero(ranks >= 0)
+            # The bulk merger numbers the distinct pairs 0, 1, ...; the heap keeps self._ranks'
+            # numbers (merge indices), which skip a merge listed twice.
+            ranks = np.fromiter(self._ranks.values(), np.int64, len(self._ranks))[ranks[at]]
+            heap = np.sort(ranks * n + at).tolist()  # sorted, so already a heap
+        return self._heap_merge(parts, heap)
+
+    def _heap_merge(self, parts: list[str], heap: list[int]) -> str:
+        """The merge loop of ``_merge_long`` over parts, from the heap of its pairs."""
+        get = self._ranks.get
+        merged_of = self._merged
+        n = len(parts)
+        after = list(range(1, n + 1))  # after[k]: the position of the token right of k (n: none)
+        before = list(range(-1, n - 1))  # before[k]: the position of the token left of k (-1: none)
+        pop, push = heapq.heappop, heapq.heappush
+        while heap:
+            rank, k = divmod(pop(heap), n)
+            right = after[k]
+            if right == n or not parts[k]:
+                continue
+            pair = parts[k] + parts[right]
+            if get(pair) != rank:
+                continue
+            token = parts[k] = merged_of[pair]
+            parts[right] = ""
+            nxt = after[k] = after[right]
+            if nxt != n:
+                before[nxt] = k
+                r = get(token + parts[nxt])
+                if r is not None:
+                    push(heap, r * n + k)
+            left = before[k]
+            if left != -1:
+                r = get(parts[left] + token)
+                if r is not None:
+                    push(heap, r * n + left)
+        return "".join(parts)
+
     def _bpe_many(self, pretokens: set[str]) -> None:
         """Add the merged token strings of pretokens to the pretoken cache."""
         # A pretoken that is itself a token encodes as that token (tiktoken's shortcut, and
@@ -302,6 +389,12 @@ class Tokenizer:
         cache = self._pretokens
         cache.update(zip(found, map(whole.__getitem__, found)))
         rest = list(pretokens.difference(found))
+        # Long pretokens (whitespace runs, say) take the heap: in the bulk merger a word costs a
+        # pass over its tokens for every distinct merge it makes.
+        if rest and max(map(len, rest)) > LONG_PRETOKEN:
+            long = [p for p in rest if len(p) > LONG_PRETOKEN]
+            cache.update((p, self._merge_loop(p.encode("utf-8"))) for p in long)
+            rest = [p for p in rest if len(p) <= LONG_PRETOKEN]
         if len(rest) < BULK_MERGE_MIN or self._bulk_merger() is None:
             merged = [self._merge_loop(p.encode("utf-8")) for p in rest]
         else:
@@ -425,14 +518,17 @@ class Tokenizer:
         return self._encode_pieces([text])
 
     def _blocks(self, text: str) -> Iterator[str]:
-        """text in pieces of about UNIT_BLOCK_CHARS, cut where encoding may restart."""
+        """text in pieces of about UNIT_BLOCK_CHARS, cut where encoding may restart.
+
+        A cut goes before a space between two characters that are not whitespace (``str.isspace``,
+        which covers GPT-2's ``\\s``): there a unit, and a pretoken, always starts.
+        """
         start = 0
         while len(text) - start > UNIT_BLOCK_CHARS:
-            pos = text.find(" ", start + UNIT_BLOCK_CHARS)
-            while pos != -1 and (pos + 1 == len(text) or text[pos - 1].isspace() or text[pos + 1].isspace()):
-                pos = text.find(" ", pos + 1)
-            if pos == -1:
+            match = _CUT_RE.search(text, start + UNIT_BLOCK_CHARS - 1)
+            if match is None:
                 break
+            pos = match.start() + 1
             yield text[start:pos]
             start = pos
         yield text[start:]

@@ -37,11 +37,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import count_pretokens_in_range, find_chunk_boundaries
+from scratchlm.tokenizer.worker_pool import worker_pool
 
 # Below this size the worker pool costs more than it saves.
 SMALL_CORPUS_BYTES = 4 << 20
@@ -151,7 +151,7 @@ def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
     ranges = list(zip(bounds[:-1], bounds[1:]))
     total: Counter[str] = Counter()
     used.append(min(workers, len(ranges)))
-    with ProcessPoolExecutor(max_workers=used[-1], mp_context=_pool_context()) as pool:
+    with worker_pool(used[-1], _pool_context()) as pool:
         # The bar comes after the pool: tqdm starts a monitor thread, and fork wants none.
         bar = _progress_bar(progress, total=len(ranges), desc="pretokenize", unit="chunk")
         futures = [pool.submit(count_pretokens_in_range, path, a, b, list(special_tokens)) for a, b in ranges]
@@ -183,21 +183,57 @@ def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, 
     """Learn up to num_merges merges from pretoken counts (str keys are UTF-8 encoded)."""
     vocab: list[bytes] = [bytes([i]) for i in range(256)]
     rkeys: list[str] = [_reverse_key(t) for t in vocab]
+    words, freqs = _words_of(counts)
+    pair_words, pair_counts = _index_pairs(words, freqs)
+    heap = [(-n, rkeys[ord(p[0])], rkeys[ord(p[1])], p) for p, n in pair_counts.items()]
+    heapq.heapify(heap)
 
-    # A word is a str with one character per token, chr(token id): merging a pair in a word is
-    # then str.replace, which replaces non-overlapping occurrences left to right exactly as BPE
-    # does, and finding the new token is str.find, both in C. Pairs are 2-character strings.
-    # Latin-1 decoding maps each byte to the character of its id.
+    merges: list[tuple[bytes, bytes]] = []
+    bar = _progress_bar(progress, total=num_merges, desc="merges", unit="merge")
+    while len(merges) < num_merges:
+        best = _pop_best(heap, pair_counts)
+        if best is None:
+            break  # nothing left to merge
+        a, b = ord(best[0]), ord(best[1])
+        new = len(vocab)
+        vocab.append(vocab[a] + vocab[b])
+        rkeys.append(_reverse_key(vocab[new]))
+        merges.append((vocab[a], vocab[b]))
+        fresh = _apply_merge(best, chr(new), words, freqs, pair_words, pair_counts)
+        for pair, n in fresh.items():
+            heapq.heappush(heap, (-n, rkeys[ord(pair[0])], rkeys[ord(pair[1])], pair))
+        if len(merges) % 64 == 0:
+            bar.update(64)
+    bar.update(len(merges) % 64)
+    bar.close()
+    return merges
+
+
+def _words_of(counts: dict[str, int] | dict[bytes, int]) -> tuple[list[str], list[int]]:
+    """The pretokens as words (one character per token, chr(id)) with their counts.
+
+    A word is a str with one character per token, chr(token id): merging a pair in a word is
+    then str.replace, which replaces non-overlapping occurrences left to right exactly as BPE
+    does, and finding the new token is str.find, both in C. Pairs are 2-character strings.
+    Latin-1 decoding maps each byte to the character of its id. Single bytes, which have no
+    pair to merge, are left out.
+    """
     words: list[str] = []
     freqs: list[int] = []
     for pretoken, n in counts.items():
         data = pretoken.encode("utf-8") if isinstance(pretoken, str) else pretoken
-        if len(data) > 1:  # a single byte has no pair to merge
+        if len(data) > 1:
             words.append(data.decode("latin-1"))
             freqs.append(n)
+    return words, freqs
 
-    # pair -> word indices: a superset (a word may be listed twice or have lost the pair
-    # since), which costs a wasted str.replace at most and saves keeping the index exact.
+
+def _index_pairs(words: list[str], freqs: list[int]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """pair -> indices of the words holding it, and pair -> count (weighted by word counts).
+
+    The word lists are a superset (a word may be listed twice or have lost the pair since),
+    which costs a wasted str.replace at most and saves keeping the index exact.
+    """
     pair_words: dict[str, list[int]] = {}
     for wi, word in enumerate(words):
         for k in range(len(word) - 1):
@@ -208,76 +244,60 @@ def merge_pretokens(counts: dict[str, int] | dict[bytes, int], num_merges: int, 
             else:
                 where.append(wi)
     # A pair listed twice for a word occurs twice in it, so summing over the list counts right.
-    pair_counts: dict[str, int] = {p: sum(map(freqs.__getitem__, where)) for p, where in pair_words.items()}
-    heap = [(-n, rkeys[ord(p[0])], rkeys[ord(p[1])], p) for p, n in pair_counts.items()]
-    heapq.heapify(heap)
+    pair_counts = {p: sum(map(freqs.__getitem__, where)) for p, where in pair_words.items()}
+    return pair_words, pair_counts
 
-    merges: list[tuple[bytes, bytes]] = []
-    bar = _progress_bar(progress, total=num_merges, desc="merges", unit="merge")
-    while len(merges) < num_merges:
-        best = _pop_best(heap, pair_counts)
-        if best is None:
-            break  # nothing left to merge
-        A, B = best[0], best[1]
-        a, b = ord(A), ord(B)
-        new = len(vocab)
-        N = chr(new)
-        vocab.append(vocab[a] + vocab[b])
-        rkeys.append(_reverse_key(vocab[new]))
-        merges.append((vocab[a], vocab[b]))
 
-        # Pairs with the new token did not exist before this merge: count them apart.
-        fresh: dict[str, int] = {}
-        fresh_words: dict[str, list[int]] = {}
-        for wi in pair_words.pop(best):
-            word = words[wi]
-            merged = word.replace(best, N)
-            if len(merged) == len(word):
-                continue  # listed twice, or lost the pair to an earlier merge
-            words[wi] = merged
-            n = freqs[wi]
-            last = len(merged) - 1
-            # Around each new token only the neighbouring pairs changed:
-            # (left, a) -> (left, new) and (b, right) -> (new, right).
-            j = merged.find(N)
-            while j != -1:
-                if j > 0:
-                    left = merged[j - 1]
-                    if left == N:
-                        # Two occurrences side by side: the old pair between them was (b, a);
-                        # (new, new) is counted as the right pair of the first one.
-                        pair_counts[B + A] -= n
-                    else:
-                        pair_counts[left + A] -= n
-                        pair = left + N
-                        fresh[pair] = fresh.get(pair, 0) + n
-                        where = fresh_words.get(pair)
-                        if where is None:
-                            fresh_words[pair] = [wi]
-                        else:
-                            where.append(wi)
-                if j < last:
-                    right = merged[j + 1]
-                    if right != N:
-                        pair_counts[B + right] -= n
-                    pair = N + right
+def _apply_merge(best: str, N: str, words: list[str], freqs: list[int],
+                 pair_words: dict[str, list[int]], pair_counts: dict[str, int]) -> dict[str, int]:
+    """Merge the pair ``best`` into the new token N in every word holding it, updating the pair
+    index and counts; returns the counts of the pairs with N, which did not exist before."""
+    A, B = best[0], best[1]
+    fresh: dict[str, int] = {}
+    fresh_words: dict[str, list[int]] = {}
+    for wi in pair_words.pop(best):
+        word = words[wi]
+        merged = word.replace(best, N)
+        if len(merged) == len(word):
+            continue  # listed twice, or lost the pair to an earlier merge
+        words[wi] = merged
+        n = freqs[wi]
+        last = len(merged) - 1
+        # Around each new token only the neighbouring pairs changed:
+        # (left, a) -> (left, new) and (b, right) -> (new, right).
+        j = merged.find(N)
+        while j != -1:
+            if j > 0:
+                left = merged[j - 1]
+                if left == N:
+                    # Two occurrences side by side: the old pair between them was (b, a);
+                    # (new, new) is counted as the right pair of the first one.
+                    pair_counts[B + A] -= n
+                else:
+                    pair_counts[left + A] -= n
+                    pair = left + N
                     fresh[pair] = fresh.get(pair, 0) + n
                     where = fresh_words.get(pair)
                     if where is None:
                         fresh_words[pair] = [wi]
                     else:
                         where.append(wi)
-                j = merged.find(N, j + 1)
-        del pair_counts[best]
-        pair_counts.update(fresh)
-        pair_words.update(fresh_words)
-        for pair, n in fresh.items():
-            heapq.heappush(heap, (-n, rkeys[ord(pair[0])], rkeys[ord(pair[1])], pair))
-        if len(merges) % 64 == 0:
-            bar.update(64)
-    bar.update(len(merges) % 64)
-    bar.close()
-    return merges
+            if j < last:
+                right = merged[j + 1]
+                if right != N:
+                    pair_counts[B + right] -= n
+                pair = N + right
+                fresh[pair] = fresh.get(pair, 0) + n
+                where = fresh_words.get(pair)
+                if where is None:
+                    fresh_words[pair] = [wi]
+                else:
+                    where.append(wi)
+            j = merged.find(N, j + 1)
+    del pair_counts[best]
+    pair_counts.update(fresh)
+    pair_words.update(fresh_words)
+    return fresh
 
 
 def _pop_best(heap: list, pair_counts: dict[str, int]) -> str | None:

@@ -11,11 +11,25 @@ Run directory (what `scratchlm train` writes)::
                                 state.pt            step, RNG states, sampler state, loop state,
                                                     git revision, package versions
                                 config.toml         resolved TrainConfig
+                                checksums.json      sha256 of every other file of the directory
     RUN/checkpoints/latest                          text: name of the newest complete step directory
 
 A step directory is written under a staging name and renamed into place only when every file
 is on disk and synced; `latest` is replaced after that, and old step directories are pruned
 last. An interrupted save therefore never leaves `latest` pointing at a partial checkpoint.
+
+Damage after the save (a truncated copy, a bad disk) is caught at load: `checksums.json` is
+written last into the staging folder, and `verify_step_dir` compares every file against it, so
+a flipped byte is a one-line error naming the file rather than a NaN loss hours later. Step
+directories written before checksums existed still load: their `.pt` files (zip archives) are
+checked against the archive's own CRCs and their safetensors header against the file size,
+with one warning that the weights cannot be fully checked.
+
+Resuming (`find_resume_checkpoint`) takes the step `latest` names, or the newest step directory
+when `latest` is missing, or a step given by name; a damaged one is refused with the name of
+the newest intact older one. Nothing is deleted on the way: step directories newer than the one
+resumed from are renamed aside (``step_000800.set-aside``), and pruning removes only step
+directories older than the one just committed.
 
 safetensors refuses tensors that share memory, which tied embeddings do. `save_weights` keeps
 one copy per storage and records the other names in the file's metadata (``aliases``: JSON
@@ -24,7 +38,9 @@ one copy per storage and records the other names in the file's metadata (``alias
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -43,7 +59,20 @@ WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.pt"
 CONFIG = "config.toml"
+CHECKSUMS = "checksums.json"
+SET_ASIDE_SUFFIX = ".set-aside"
 _STAGING_PREFIX = ".staging-"
+RESUME_FILES = (WEIGHTS, STATE)  # what every resumable step directory holds
+log = logging.getLogger("scratchlm.train")
+_warned_unchecked: set[Path] = set()
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint file that is missing, truncated or altered since it was saved."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint file {path} is damaged ({reason})")
+        self.path = path
 
 
 # ---------------------------------------------------------------- single-file checkpoints
@@ -80,7 +109,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> int:
     """Restore what `save_checkpoint` wrote into `model` (and `optimizer`); returns the iteration."""
-    payload = torch.load(src, map_location="cpu", weights_only=True)
+    payload = _torch_load(src)
     _target(model).load_state_dict(_strip_prefixes(payload["model"]))
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
@@ -143,11 +172,18 @@ def load_weights(path: str | os.PathLike, device: str | torch.device = "cpu") ->
     """Read a safetensors file written by `save_weights`, restoring aliased (tied) names."""
     from safetensors import safe_open
 
+    from safetensors import SafetensorError
+
     state: dict[str, torch.Tensor] = {}
-    with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
-        for name in f.keys():
-            state[name] = f.get_tensor(name)
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    try:
+        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name)
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        if not Path(path).is_file():
+            raise
+        raise DamagedCheckpoint(Path(path), f"not a complete safetensors file: {_one_line(exc)}") from None
     for name, target in aliases.items():
         state[name] = state[target]
     return state
@@ -238,6 +274,7 @@ def commit_step(run_dir: str | os.PathLike, step: int, *, keep: int) -> Path:
     staging = staging_dir(run_dir, step, create=False)
     for path in staging.iterdir():
         _fsync(path)
+    write_checksums(staging)
     final = ckpt / step_dir_name(step)
     if final.exists():  # re-saving a step: move the old copy aside first (rename needs no target)
         old = ckpt / f"{_STAGING_PREFIX}old-{step_dir_name(step)}"
@@ -304,12 +341,16 @@ def latest_step_dir(run_dir: str | os.PathLike) -> Path | None:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest `keep` step directories (never the one `latest` names)."""
-    steps = list_steps(run_dir)
+    """Keep the step `latest` names and the `keep - 1` newest older ones; delete older ones.
+
+    Step directories newer than `latest` are never touched (they are not this run's), nor is
+    anything when `latest` is missing.
+    """
     pointer = checkpoints_dir(run_dir) / LATEST
-    current = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-    for path in steps[: max(0, len(steps) - keep)]:
-        if path.name != current:
+    current = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else ""
+    if current[5:].isdigit():
+        older = [p for p in list_steps(run_dir) if int(p.name[5:]) < int(current[5:])]
+        for path in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(path)
     for stale in checkpoints_dir(run_dir).glob(f"{_STAGING_PREFIX}*"):
         if stale.is_dir() and stale.name.startswith(f"{_STAGING_PREFIX}old-"):
@@ -317,7 +358,181 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
 
 
 def read_torch(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """`torch.load` of a checkpoint file (tensors and plain values only); damage names the file."""
+    return _torch_load(path)
+
+
+def _torch_load(src: str | os.PathLike | IO[bytes]) -> Any:
+    import pickle
+
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, pickle.UnpicklingError) as exc:
+        if not isinstance(src, (str, os.PathLike)) or not Path(src).is_file():
+            raise
+        raise DamagedCheckpoint(Path(src), f"cannot be read: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- checksums and verification
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read 8 MB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checksums(step_dir: Path) -> None:
+    """Record the sha256 of every file of `step_dir` in its `checksums.json` (synced)."""
+    files = {p.name: file_sha256(p) for p in sorted(step_dir.iterdir()) if p.is_file() and p.name != CHECKSUMS}
+    path = step_dir / CHECKSUMS
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_step_dir(step_dir: Path, required: tuple[str, ...] = RESUME_FILES, *,
+                    only: tuple[str, ...] | None = None) -> None:
+    """Raise `DamagedCheckpoint` for the first file of `step_dir` that is missing or altered.
+
+    With a `checksums.json`, every file it lists (or those of them in `only`) is hashed;
+    without one (checkpoints older than checksums), the same files get the structural checks
+    of the module docstring, and the directory one warning.
+    """
+    for name in required:
+        if not (step_dir / name).is_file():
+            raise DamagedCheckpoint(step_dir / name, "missing")
+    manifest = step_dir / CHECKSUMS
+    if not manifest.is_file():
+        _verify_structure(step_dir, only)
+        return
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        files = {str(k): str(v) for k, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise DamagedCheckpoint(manifest, "not the JSON that a save writes") from None
+    for name, expected in files.items():
+        if only is not None and name not in only:
+            continue
+        path = step_dir / name
+        if not path.is_file():
+            raise DamagedCheckpoint(path, "missing")
+        if file_sha256(path) != expected:
+            raise DamagedCheckpoint(path, "its sha256 differs from the one recorded at save")
+
+
+def _verify_structure(step_dir: Path, only: tuple[str, ...] | None) -> None:
+    import zipfile
+
+    if step_dir not in _warned_unchecked:
+        _warned_unchecked.add(step_dir)
+        log.warning("%s has no %s (written by an older scratchlm): its files are checked for truncation "
+                    "only, not against checksums", step_dir, CHECKSUMS)
+    for path in sorted(step_dir.glob("*.pt")):
+        if only is not None and path.name not in only:
+            continue
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()  # reads every member against its CRC-32
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise DamagedCheckpoint(path, f"not a complete torch archive: {_one_line(exc)}") from None
+        if bad is not None:
+            raise DamagedCheckpoint(path, f"member {bad} fails its CRC check")
+    weights = step_dir / WEIGHTS
+    if weights.is_file() and (only is None or WEIGHTS in only):
+        size = weights.stat().st_size
+        try:
+            with open(weights, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            header, end = None, 0
+        if header is None or 8 + n + end != size:
+            raise DamagedCheckpoint(weights, "truncated or not a safetensors file")
+
+
+def _step_number(path: Path) -> int:
+    return int(path.name[5:])
+
+
+def _named_step(run_dir: str | os.PathLike, step: int | str | os.PathLike) -> Path:
+    """The step directory that `step` names: 800, "800", "step_000800", or its path."""
+    text = os.fspath(step) if not isinstance(step, int) else str(step)
+    name = Path(text).name
+    digits = name[5:] if name.startswith("step_") else name
+    path = checkpoints_dir(run_dir) / step_dir_name(int(digits)) if digits.isdigit() else None
+    if path is None or not path.is_dir():
+        have = ", ".join(p.name for p in list_steps(run_dir)) or "none"
+        shown = step_dir_name(int(digits)) if digits.isdigit() else text
+        raise UserError(f"there is no checkpoint {shown} in {checkpoints_dir(run_dir)} (there are: {have})")
+    return path
+
+
+def _intact_hint(run_dir: str | os.PathLike, before: Path) -> str:
+    """Where to resume from instead of the damaged `before`: the newest intact older step."""
+    pointer = checkpoints_dir(run_dir) / LATEST
+    for path in reversed([p for p in list_steps(run_dir) if _step_number(p) < _step_number(before)]):
+        try:
+            verify_step_dir(path)
+        except DamagedCheckpoint:
+            continue
+        return (f"{path.name} is intact: to resume from it, run with --resume-from {path.name} "
+                f"(or write {path.name} into {pointer} and run with --resume; newer step directories "
+                "are set aside, not deleted)")
+    return "no older checkpoint is intact; start the run over with --overwrite"
+
+
+def find_resume_checkpoint(run_dir: str | os.PathLike, step: int | str | os.PathLike | None = None, *,
+                           set_aside_newer: bool = False) -> Path | None:
+    """The verified step directory to resume `run_dir` from, or None when it has none at all.
+
+    `step` names one (see `_named_step`); otherwise `latest` decides, or, when `latest` is
+    missing (a run killed between renaming its step directory and writing `latest`, or a copy
+    that lost it), the newest step directory. A damaged or missing choice is a `UserError` that
+    names the damaged file and the newest intact older step. With `set_aside_newer` (rank 0),
+    step directories newer than the choice are renamed aside so that later saves and pruning
+    cannot replace or delete them.
+    """
+    steps = list_steps(run_dir)
+    pointer = checkpoints_dir(run_dir) / LATEST
+    if step is not None:
+        target = _named_step(run_dir, step)
+    elif pointer.is_file():
+        target = checkpoints_dir(run_dir) / pointer.read_text(encoding="utf-8").strip()
+        if not target.name[5:].isdigit() or not target.is_dir():
+            hint = (f"{steps[-1].name} is the newest step directory: write its name into {pointer} to resume "
+                    f"from it" if steps else "the run has no step directory; start it over with --overwrite")
+            raise UserError(f"{pointer} names {target.name!r}, which is not a step directory here; {hint}")
+    elif steps:
+        target = steps[-1]
+        log.warning("%s is missing; resuming from %s, the newest step directory", pointer, target.name)
+    else:
+        return None
+    try:
+        verify_step_dir(target)
+    except DamagedCheckpoint as exc:
+        raise UserError(f"{exc}; {_intact_hint(run_dir, target)}") from None
+    if set_aside_newer:
+        for path in steps:
+            if _step_number(path) > _step_number(target):
+                aside = path.with_name(path.name + SET_ASIDE_SUFFIX)
+                n = 1
+                while aside.exists():
+                    n += 1
+                    aside = path.with_name(f"{path.name}{SET_ASIDE_SUFFIX}-{n}")
+                path.rename(aside)
+                log.warning("resuming from %s: set the newer %s aside as %s", target.name, path.name, aside.name)
+    return target
 
 
 # ---------------------------------------------------------------- loading a trained model
@@ -335,7 +550,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (path / CHECKPOINTS).is_dir():
         step = latest_step_dir(path)
         if step is None:
-            raise UserError(f"run directory {path} has no checkpoint yet")
+            steps = list_steps(path)
+            if not steps:
+                raise UserError(f"run directory {path} has no checkpoint yet")
+            step = steps[-1]
+            log.warning("%s is missing; using %s, the newest step directory", checkpoints_dir(path) / LATEST, step.name)
         return step
     raise UserError(f"{path} is neither a run directory, a step directory nor a checkpoint file")
 
@@ -362,12 +581,13 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
     where = resolve_checkpoint(path)
     tokenizer_dir = None
     if where.is_dir():
+        verify_step_dir(where, (WEIGHTS, CONFIG), only=(WEIGHTS, CONFIG))
         cfg = read_model_config(where / CONFIG)
         state = load_weights(where / WEIGHTS)
         run_dir = where.parent.parent if where.parent.name == CHECKPOINTS else where
         tokenizer_dir = run_dir / "tokenizer"
     else:
-        payload = torch.load(where, map_location="cpu", weights_only=True)
+        payload = _torch_load(where)
         if payload.get("model_config") is not None:
             cfg = from_dict(ModelConfig, payload["model_config"], where="model")
         elif (where.parent / CONFIG).is_file():

@@ -3,7 +3,6 @@ validation batches, and the validation loss."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,18 +15,27 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.functional import cross_entropy
 
 
-def open_checked(path: str, model_cfg: ModelConfig, what: str):
-    """A token file as a memmap, refused when its vocabulary is larger than the model's."""
-    from scratchlm.data.batch import open_tokens
+def open_checked(path: str, model_cfg: ModelConfig, what: str, *, tokenizer_dir: str = ""):
+    """A token file as a memmap, checked against the model (and the run's tokenizer, if named).
 
-    tokens = open_tokens(path, context_length=model_cfg.context_length)
-    sidecar = Path(path).with_suffix(".json")
-    if sidecar.is_file():
-        vocab = json.loads(sidecar.read_text(encoding="utf-8")).get("vocab_size")
-        if vocab is not None and vocab > model_cfg.vocab_size:
-            raise UserError(f"{what} {path} was encoded with a vocabulary of {vocab} tokens, "
-                            f"larger than model.vocab_size={model_cfg.vocab_size}")
-    return tokens
+    See `scratchlm.data.token_file.open_checked` for what is refused.
+    """
+    from scratchlm.data.token_file import open_checked as open_token_file
+
+    return open_token_file(path, vocab_size=model_cfg.vocab_size, context_length=model_cfg.context_length,
+                           tokenizer_hash=tokenizer_hash(tokenizer_dir), tokenizer_dir=tokenizer_dir or None,
+                           what=what)
+
+
+def tokenizer_hash(tokenizer_dir: str) -> str | None:
+    """The hash of the tokenizer in `tokenizer_dir` (None when the run names none)."""
+    if not tokenizer_dir:
+        return None
+    if not Path(tokenizer_dir).is_dir():
+        raise UserError(f"data.tokenizer_dir {tokenizer_dir} is not a directory")
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.load(tokenizer_dir).hash
 
 
 class TrainData:
@@ -48,8 +56,11 @@ class TrainData:
         self.context_length = model_cfg.context_length
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
-        self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path")
-        self.val_tokens = open_checked(data_cfg.val_path, model_cfg, "data.val_path") if data_cfg.val_path else None
+        # Checked before the run writes anything: bad data fails here, not at the first step.
+        tok = data_cfg.tokenizer_dir
+        self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path", tokenizer_dir=tok)
+        self.val_tokens = (open_checked(data_cfg.val_path, model_cfg, "data.val_path", tokenizer_dir=tok)
+                           if data_cfg.val_path else None)
         self.sampler = BatchSampler(self.train_tokens, batch_size, self.context_length,
                                     seed=seed, rank=rank, world_size=world_size)
 

@@ -119,13 +119,25 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+DROPPED = "metrics.dropped.jsonl"
+
+
 def truncate_metrics(path: str | os.PathLike, step: int) -> None:
-    """Drop records logged after `step` (by a run that crashed after its last checkpoint), so
-    that a resumed run's metrics read as one uninterrupted run."""
+    """Move records logged after `step` (by a run that crashed after its last checkpoint, or
+    one resumed from an older checkpoint) out of `path`, so that a resumed run's metrics read
+    as one uninterrupted run. Nothing is lost: the moved records are appended to
+    ``metrics.dropped.jsonl`` beside it."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) == len(records):
+        return
+    with open(path.with_name(DROPPED), "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) > step)
+        f.flush()
+        os.fsync(f.fileno())
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)

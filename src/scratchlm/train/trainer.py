@@ -25,10 +25,12 @@ router entropy and per-layer expert utilisation (`scratchlm.model.moe.moe_record
 over the micro-batches of the log window. The router statistics are summed on the device and
 read once per log interval, like the loss.
 
-Parallel runs (``parallel.strategy != "none"``) go through the engine of
-`scratchlm.parallel.engine`: rank 0 logs and writes checkpoints; each rank draws its disjoint
-slice of the same global batch, so the global batch is `trainer.batch_size` whatever the
-world size (micro-batch per rank = batch_size / (grad_accum_steps · world_size)).
+Every run goes through a parallel strategy (`scratchlm.parallel.strategy.Strategy`; the
+single-process one for ``parallel.strategy = "none"``), and `scratchlm.parallel.parallelize`
+applies activation checkpointing, torch.compile and the strategy's wrapper to the plain model.
+Rank 0 logs and writes checkpoints; each rank draws its disjoint slice of the same global batch,
+so the global batch is `trainer.batch_size` whatever the world size (micro-batch per rank =
+batch_size / (grad_accum_steps · world_size)).
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ import torch
 from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.device import resolve_device
 from scratchlm.errors import UserError
-from scratchlm.model.functional import cross_entropy
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
-from scratchlm.optim import build_optimizer, learning_rate
+from scratchlm.optim import learning_rate
 from scratchlm.optim.adamw import AdamW, param_groups
-from scratchlm.optim.clip import clip_grad_norm
+from scratchlm.parallel.parallelize import parallelize
+from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
 from scratchlm.train.config import TrainConfig
 from scratchlm.train.data_feed import TrainData, evaluate
@@ -65,6 +67,9 @@ from scratchlm.train.run_dir import copy_tokenizer, environment_info
 
 log = logging.getLogger("scratchlm.train")
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
+
+
+__all__ = ["Trainer", "resolve_device", "seed_everything"]
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -79,31 +84,32 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class Trainer:
-    """Trains `cfg.model` on `cfg.data` into `run_dir`; `fit()` runs the loop."""
+    """Trains `cfg.model` on `cfg.data` into `run_dir`; `fit()` runs the loop.
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, engine: Any = None,
+    `strategy` is the parallel strategy to train with (joined already, e.g. by
+    `init_strategy(cfg.parallel)`); without one the trainer builds `cfg.parallel`'s itself.
+    `engine` is the same argument under its older name.
+    """
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool | int | str = False,
+                 strategy: Strategy | None = None, engine: Strategy | None = None,
                  logger: MetricsLogger | None = None) -> None:
         from scratchlm.model.transformer import build_model
 
-        self.cfg, self.run_dir, self.engine = cfg, Path(run_dir), engine
         tc = cfg.trainer
-        self.rank = engine.rank if engine else 0
-        self.world_size = engine.world_size if engine else 1
-        self.is_main = engine.is_main if engine else True
-        self.device = engine.device if engine else resolve_device(tc.device)
+        strategy = strategy or engine or init_strategy(cfg.parallel, device=tc.device)
+        self.cfg, self.run_dir, self.strategy = cfg, Path(run_dir), strategy
+        self.rank, self.world_size, self.is_main = strategy.rank, strategy.world_size, strategy.is_main
+        self.device = strategy.device
         self.bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and self.device.type == "cuda")
         seed_everything(tc.seed, tc.deterministic)
 
         self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
         self.raw_model = build_model(cfg.model, device=self.device)
-        self.model = self._wrap_model(self.raw_model)
-        # Under trainer.compile the loss is compiled too: Inductor fuses the float32 upcast,
-        # log-sum-exp and target gather over the (tokens x vocab) logits into one pass each way.
-        # "reduce-overhead" replays both as CUDA graphs: small models are bound by kernel launches.
-        self._loss_fn = torch.compile(cross_entropy, mode=tc.compile_mode) if tc.compile else cross_entropy
-        self._cudagraphs = tc.compile and tc.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        self._head_inputs = self._fused_head_trunk() if tc.fused_lm_head else None
+        run = parallelize(self.raw_model, tc, strategy)
+        self.model, self._loss_fn, self._head_inputs = run.model, run.loss_fn, run.head_inputs
+        self._cudagraphs = run.cudagraphs
         self.optimizer = self._build_optimizer()
 
         self.step = 0
@@ -115,12 +121,15 @@ class Trainer:
         self._moe_window = (torch.zeros(4 + len(self._moe_layers) * cfg.model.moe_num_experts, device=self.device)
                             if self._moe_layers else None)
         self.config_text = config_to_toml(cfg)
+        # Found and verified before anything in the run directory changes: a refusal loses nothing.
+        resume_dir = ckpt.find_resume_checkpoint(self.run_dir, None if resume is True else resume,
+                                                 set_aside_newer=self.is_main) if resume else None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
         if resume:
-            self._resume()
+            self._resume(resume_dir)
         elif self.is_main and (self.run_dir / "metrics.jsonl").exists():
             truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log
         if logger is None:
@@ -136,26 +145,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        tc = self.cfg.trainer
-        if tc.activation_checkpointing:
-            from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
-
-            apply_activation_checkpointing(model, every=tc.activation_checkpointing_every)
-        if tc.compile:
-            model = torch.compile(model, mode=tc.compile_mode)
-        if self.engine is not None:
-            model = self.engine.wrap_model(model)
-        return model
-
-    def _fused_head_trunk(self):
-        """The (compiled) `head_inputs` the fused head's loss is computed from."""
-        tc = self.cfg.trainer
-        if self.engine is not None:
-            raise UserError("trainer.fused_lm_head runs single-process only: the data-parallel wrappers "
-                            "synchronise gradients through the model's forward, which the fused head bypasses")
-        trunk = self.raw_model.head_inputs
-        return torch.compile(trunk, mode=tc.compile_mode) if tc.compile else trunk
+    @property
+    def engine(self) -> Strategy:
+        """The strategy (its older name)."""
+        return self.strategy
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
@@ -170,12 +163,10 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         oc = self.cfg.optim
-        if self.engine is None:
-            return build_optimizer(self.raw_model, oc)
         groups = lambda plain: param_groups(plain, oc.weight_decay, decay_vectors=oc.decay_vectors)  # noqa: E731
-        return self.engine.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                                           eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach,
-                                           fused=oc.fused)
+        return self.strategy.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
+                                             eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach,
+                                             fused=oc.fused)
 
     # ------------------------------------------------------------------ the loop
 
@@ -235,13 +226,9 @@ class Trainer:
                 loss = loss + moe_aux_loss(self._moe_layers, mc.moe_aux_coef, mc.moe_z_coef) / accum
                 self._moe_window += moe_stats(self._moe_layers) / accum
             loss.backward()
-        if self.engine is not None:
-            self.engine.sync_gradients(self.model)
+        self.strategy.sync_gradients(self.model)
         max_norm = oc.grad_clip if oc.grad_clip > 0 else math.inf
-        if self.engine is not None:
-            self._grad_norm = self.engine.clip_grad_norm(self.model, max_norm)
-        else:
-            self._grad_norm = clip_grad_norm(self.raw_model.parameters(), max_norm)
+        self._grad_norm = self.strategy.clip_grad_norm(self.model, max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -254,18 +241,13 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _no_sync(self, skip: bool):
-        no_sync = getattr(self.engine, "no_sync", None)
-        return no_sync(self.model) if skip and no_sync is not None else contextlib.nullcontext()
+        return self.strategy.no_sync(self.model) if skip else contextlib.nullcontext()
 
     def _log_train(self) -> dict[str, Any]:
-        loss = (self._window_loss / self._window_steps).item()
-        if self.engine is not None:
-            loss = self.engine.all_reduce_mean(loss)
+        loss = self.strategy.all_reduce_mean((self._window_loss / self._window_steps).item())
         moe: dict[str, Any] = {}
         if self._moe_window is not None:
-            values = (self._moe_window / self._window_steps).tolist()
-            if self.engine is not None:
-                values = self.engine.all_reduce_means(values)
+            values = self.strategy.all_reduce_means((self._moe_window / self._window_steps).tolist())
             moe = moe_record(values, self.cfg.model.moe_num_experts)
             self._moe_window.zero_()
         if not math.isfinite(loss):
@@ -292,7 +274,7 @@ class Trainer:
     def _evaluate(self) -> dict[str, Any]:
         # Distributed wrappers must run the forward (FSDP gathers the weights); alone, the eager
         # module gives the same loss without compiling a no_grad graph.
-        eager = self.engine is None and not self.cfg.trainer.compile_eval
+        eager = self.strategy.eval_plain_model and not self.cfg.trainer.compile_eval
         model = self.raw_model if eager else self.model
         model.eval()
         try:
@@ -300,8 +282,7 @@ class Trainer:
                 loss = evaluate(model, self.data.eval_batches(self.cfg.trainer.eval_batches, self.device))
         finally:
             model.train()
-        if self.engine is not None:
-            loss = self.engine.all_reduce_mean(loss)
+        loss = self.strategy.all_reduce_mean(loss)
         record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
         self._emit(record)
         if self.is_main and time.monotonic() - self._last_plot > PLOT_EVERY_S:
@@ -345,16 +326,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write RUN/checkpoints/step_N atomically (all ranks call this in parallel runs)."""
-        engine = self.engine
-        model_state = engine.full_state_dict(self.model) if engine else ckpt.unwrapped_state_dict(self.raw_model)
-        optim_state = engine.optimizer_state_dict(self.optimizer) if engine else self.optimizer.state_dict()
+        model_state = self.strategy.full_state_dict(self.model)
+        optim_state = self.strategy.optimizer_state_dict(self.optimizer)
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
                  "sampler": self.data.state_dict(),
                  "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps,
                           "moe_window": None if self._moe_window is None else self._moe_window.tolist()}}
         if self.is_main:
             staging = ckpt.staging_dir(self.run_dir, self.step)
-        self._barrier()
+        self.strategy.barrier()
         if not self.is_main:
             staging = ckpt.staging_dir(self.run_dir, self.step, create=False)
             if optim_state is not None:
@@ -363,19 +343,14 @@ class Trainer:
         else:
             ckpt.write_step_files(staging, model_state=model_state, optimizer_state=optim_state,
                                   state={**state, **environment_info()}, config_text=self.config_text)
-        self._barrier()
+        self.strategy.barrier()
         path = ckpt.staging_dir(self.run_dir, self.step, create=False).parent / ckpt.step_dir_name(self.step)
         if self.is_main:
             ckpt.commit_step(self.run_dir, self.step, keep=self.cfg.trainer.keep_checkpoints)
-        self._barrier()
+        self.strategy.barrier()
         return path
 
-    def _barrier(self) -> None:
-        if self.engine is not None:
-            self.engine.barrier()
-
-    def _resume(self) -> None:
-        step_dir = ckpt.latest_step_dir(self.run_dir)
+    def _resume(self, step_dir: Path | None) -> None:
         if step_dir is None:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             if self.is_main:
@@ -390,12 +365,8 @@ class Trainer:
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
         weights = ckpt.load_weights(step_dir / ckpt.WEIGHTS)
-        if self.engine is not None:
-            self.engine.load_full_state_dict(self.model, weights)
-            self.engine.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
-        else:
-            self.raw_model.load_state_dict(weights)
-            self.optimizer.load_state_dict(ckpt.read_torch(optim_file))
+        self.strategy.load_full_state_dict(self.model, weights)
+        self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
         self.data.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])

@@ -1,0 +1,123 @@
+"""The token-file format, read and checked in one place.
+
+A token file is ``X.bin``, the ids as flat little-endian ``uint16`` (``uint32`` when the
+vocabulary has more than 65,536 entries), beside ``X.json``, its sidecar::
+
+    {"dtype": "uint16", "vocab_size": 10000, "tokenizer_hash": "...", "num_documents": 2717,
+     "num_tokens": 2893342, ...}
+
+`scratchlm encode` writes the sidecar last, so a sidecar marks a complete file.
+`read_sidecar` parses and validates it; `open_checked` is what a model's reader (the trainer,
+`scratchlm eval`) calls: it refuses, with a one-line `UserError` that names the file and the
+fix, anything that would otherwise fail in the middle of training or train silently on the
+wrong data:
+
+* no sidecar (a raw dump, or a ``.txt`` given where a token file belongs);
+* a sidecar vocabulary larger than the model's;
+* an id >= the model's vocabulary (the embedding lookup would fail at the first step: an
+  ``IndexError`` on CPU, a device-side assert on CUDA). Found with a chunked max over the
+  memmap, so a multi-gigabyte file is streamed, never loaded whole;
+* a tokenizer hash other than the run's tokenizer, when both are known.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scratchlm.errors import UserError
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+CHUNK_TOKENS = 1 << 24  # 32-64 MB a read while scanning for the largest id
+_TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv")
+ENCODE_HINT = "encode it with `scratchlm encode TEXT --tokenizer DIR --out OUT.bin`"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype a token file of this vocabulary is written in: ``uint16`` when every id fits
+    (vocab_size <= 65536), otherwise ``uint32``; little-endian."""
+    return DTYPES["uint16"] if vocab_size <= 1 << 16 else DTYPES["uint32"]
+
+
+def sidecar_path(bin_path: str | os.PathLike) -> Path:
+    """``X.bin -> X.json``: where the metadata of a token file lives."""
+    return Path(bin_path).with_suffix(".json")
+
+
+def read_sidecar(bin_path: str | os.PathLike) -> dict[str, Any] | None:
+    """The parsed sidecar of `bin_path`, or None when it has none; a malformed one is a UserError."""
+    sidecar = sidecar_path(bin_path)
+    if sidecar == Path(bin_path) or not sidecar.is_file():
+        return None
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise UserError(f"sidecar {sidecar} is not a JSON object; encode the text again with `scratchlm encode`")
+    name = meta.get("dtype", "uint16")
+    if name not in DTYPES:
+        raise UserError(f"sidecar {sidecar} names dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return meta
+
+
+def max_token_id(tokens: np.ndarray, *, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """The largest id in `tokens`, reading a memmap `chunk_tokens` at a time (never whole)."""
+    largest = 0
+    for start in range(0, len(tokens), chunk_tokens):
+        largest = max(largest, int(np.max(tokens[start:start + chunk_tokens])))
+    return largest
+
+
+def open_checked(path: str | os.PathLike, *, vocab_size: int, context_length: int | None = None,
+                 tokenizer_hash: str | None = None, tokenizer_dir: str | os.PathLike | None = None,
+                 what: str = "token file") -> np.memmap:
+    """Memory-map a token file for a model of `vocab_size`, after the checks in the module docstring.
+
+    `what` names the setting the path came from (``"data.train_path"``), so the message points
+    at it; `tokenizer_hash` is the hash of the run's tokenizer (from `tokenizer_dir`, named in
+    the message), or None when the run names none.
+    """
+    from scratchlm.data.batch import open_tokens
+
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() in _TEXT_SUFFIXES:
+        raise UserError(f"{what} {path} is a text file, not a token file; {ENCODE_HINT}")
+    if path.is_file() and read_sidecar(path) is None:
+        if _looks_like_text(path):
+            raise UserError(f"{what} {path} is a text file, not a token file; {ENCODE_HINT}")
+        raise UserError(f"{what} {path} has no sidecar {sidecar_path(path).name} (dtype, vocab_size, tokenizer "
+                        f"hash), so it cannot be checked against the model; {ENCODE_HINT}")
+    tokens = open_tokens(path, context_length=context_length)
+    meta = read_sidecar(path) or {}
+    vocab = meta.get("vocab_size")
+    if vocab is not None and int(vocab) > vocab_size:
+        raise UserError(f"{what} {path} was encoded with a vocabulary of {vocab} tokens, larger than "
+                        f"model.vocab_size={vocab_size}; set model.vocab_size={vocab} or encode the data "
+                        f"with a tokenizer of at most {vocab_size} tokens")
+    largest = max_token_id(tokens)
+    if largest >= vocab_size:
+        raise UserError(f"{what} {path} holds token id {largest}, beyond model.vocab_size={vocab_size} "
+                        f"(ids must be < {vocab_size}); the file or its sidecar is wrong: {ENCODE_HINT}")
+    recorded = meta.get("tokenizer_hash")
+    if tokenizer_hash and recorded and recorded != tokenizer_hash:
+        where = f" ({tokenizer_dir})" if tokenizer_dir else ""
+        raise UserError(f"{what} {path} was encoded with another tokenizer (hash {recorded[:12]}) than this "
+                        f"run's{where} (hash {tokenizer_hash[:12]}); encode the text again with the run's "
+                        f"tokenizer, or set data.tokenizer_dir to the one the data was encoded with")
+    return tokens
+
+
+def _looks_like_text(path: Path) -> bool:
+    """True when the first KB is printable UTF-8 (token ids almost never are)."""
+    with open(path, "rb") as f:
+        head = f.read(1024)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and all(c.isprintable() or c in "\n\r\t" for c in text)

@@ -1,0 +1,63 @@
+"""Apply activation checkpointing, torch.compile and a parallel strategy to a plain model, in one place.
+
+As in torchtitan's parallelize step, the model is built plain and everything that changes how
+it runs is applied here from outside, always in this order:
+
+1. activation checkpointing of every `trainer.activation_checkpointing_every`-th block
+   (in place: the blocks' forwards recompute in backward);
+2. `torch.compile(model, mode=trainer.compile_mode)` under `trainer.compile`;
+3. the strategy's wrapper (`strategy.wrap_model`: DDP hooks, FSDP sharding, ...) around the
+   compiled module, so gradient hooks and collectives stay outside the compiled graph.
+
+The loss is compiled with the same mode (Inductor fuses the float32 upcast, log-sum-exp and
+target gather over the (tokens x vocab) logits into one pass each way; "reduce-overhead"
+replays it as CUDA graphs), and so is the trunk of the fused LM head (`trainer.fused_lm_head`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from scratchlm.errors import UserError
+from scratchlm.model.functional import cross_entropy
+
+if TYPE_CHECKING:
+    from scratchlm.parallel.strategy import Strategy
+    from scratchlm.train.config import TrainerConfig
+
+
+@dataclass
+class Parallelized:
+    """What training runs: the wrapped model, the loss and (with the fused head) the head's inputs."""
+
+    model: nn.Module  # plain model -> checkpointed blocks -> compiled -> strategy wrapper
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
+    head_inputs: Callable[[torch.Tensor], torch.Tensor] | None  # trunk of the fused LM head, else None
+    cudagraphs: bool  # compiled with "reduce-overhead" on CUDA: mark each step's start
+
+
+def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Parallelized:
+    """Wrap the plain `model` (already on `strategy.device`) for training under `cfg` and `strategy`."""
+    if cfg.fused_lm_head and not strategy.supports_fused_lm_head:
+        raise UserError("trainer.fused_lm_head runs single-process only: the data-parallel wrappers "
+                        "synchronise gradients through the model's forward, which the fused head bypasses")
+    plain = model
+    if cfg.activation_checkpointing:
+        from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, every=cfg.activation_checkpointing_every)
+    if cfg.compile:
+        model = torch.compile(model, mode=cfg.compile_mode)
+    model = strategy.wrap_model(model)
+    loss_fn = torch.compile(cross_entropy, mode=cfg.compile_mode) if cfg.compile else cross_entropy
+    head_inputs = None
+    if cfg.fused_lm_head:
+        trunk = plain.head_inputs
+        head_inputs = torch.compile(trunk, mode=cfg.compile_mode) if cfg.compile else trunk
+    cudagraphs = cfg.compile and cfg.compile_mode == "reduce-overhead" and strategy.device.type == "cuda"
+    return Parallelized(model=model, loss_fn=loss_fn, head_inputs=head_inputs, cudagraphs=cudagraphs)

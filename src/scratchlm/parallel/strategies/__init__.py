@@ -1,0 +1,1 @@
+"""One module per parallel strategy; `scratchlm.parallel.registry` lists them by name."""

@@ -1,0 +1,89 @@
+"""Token files checked against the model that will read them: sidecar, vocabulary, ids, tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from scratchlm.data import token_file
+from scratchlm.errors import UserError
+
+
+def write(path, ids, *, dtype="uint16", vocab_size=100, tokenizer_hash="", sidecar=True):
+    arr = np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<"))
+    arr.tofile(path)
+    if sidecar:
+        path.with_suffix(".json").write_text(json.dumps(
+            {"dtype": dtype, "vocab_size": vocab_size, "tokenizer_hash": tokenizer_hash, "num_tokens": int(arr.size)}))
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_max_token_id_matches_numpy_whatever_the_chunking(tmp_path, dtype, chunk):
+    ids = np.random.default_rng(0).integers(0, 1000, 1000)
+    ids[-1] = 4242  # at the very end: the last partial chunk is read too
+    tokens = np.memmap(write(tmp_path / "t.bin", ids, dtype=dtype), dtype=np.dtype(dtype), mode="r")
+    assert token_file.max_token_id(tokens, chunk_tokens=chunk) == int(ids.max()) == 4242
+
+
+def test_a_valid_file_opens(tmp_path):
+    path = write(tmp_path / "ok.bin", np.arange(100) % 50, vocab_size=50, tokenizer_hash="abc")
+    tokens = token_file.open_checked(path, vocab_size=50, context_length=8, tokenizer_hash="abc",
+                                     what="data.train_path")
+    np.testing.assert_array_equal(tokens, np.arange(100) % 50)
+    # a sidecar that records no tokenizer (hand-made files) is not refused for it
+    path = write(tmp_path / "nohash.bin", np.arange(100) % 50, vocab_size=50)
+    token_file.open_checked(path, vocab_size=50, context_length=8, tokenizer_hash="abc", what="data.train_path")
+
+
+def test_ids_beyond_the_model_vocabulary_are_refused_with_the_file_and_the_fix(tmp_path):
+    ids = np.arange(1000) % 40
+    ids[777] = 64  # one stray id; the sidecar claims a vocabulary the model has
+    path = write(tmp_path / "bad.bin", ids, vocab_size=64)
+    with pytest.raises(UserError) as err:
+        token_file.open_checked(path, vocab_size=64, context_length=8, what="data.train_path")
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "64" in message and "encode" in message
+
+
+def test_a_sidecar_vocabulary_larger_than_the_model_is_refused(tmp_path):
+    path = write(tmp_path / "big.bin", np.arange(100) % 40, vocab_size=500)
+    with pytest.raises(UserError, match=r"500.*model.vocab_size=64"):
+        token_file.open_checked(path, vocab_size=64, context_length=8, what="data.train_path")
+
+
+def test_a_file_without_sidecar_is_refused(tmp_path):
+    path = write(tmp_path / "raw.bin", np.arange(100) % 40, sidecar=False)
+    with pytest.raises(UserError, match=r"raw\.json.*scratchlm encode"):
+        token_file.open_checked(path, vocab_size=64, context_length=8, what="data.train_path")
+
+
+def test_a_text_file_is_refused_as_text(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("once upon a time " * 50)
+    with pytest.raises(UserError, match=r"corpus\.txt.*text.*scratchlm encode"):
+        token_file.open_checked(path, vocab_size=64, context_length=8, what="data.train_path")
+
+
+def test_data_encoded_with_another_tokenizer_is_refused(tmp_path):
+    path = write(tmp_path / "other.bin", np.arange(100) % 40, vocab_size=64, tokenizer_hash="aaaa" * 16)
+    with pytest.raises(UserError, match=r"other\.bin.*another tokenizer"):
+        token_file.open_checked(path, vocab_size=64, context_length=8, tokenizer_hash="bbbb" * 16,
+                                what="data.train_path")
+
+
+def test_read_sidecar_errors(tmp_path):
+    write(tmp_path / "t.bin", [1, 2, 3])
+    (tmp_path / "t.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="not a JSON object"):
+        token_file.read_sidecar(tmp_path / "t.bin")
+    (tmp_path / "t.json").write_text("{")
+    with pytest.raises(UserError, match="not a JSON object"):
+        token_file.read_sidecar(tmp_path / "t.bin")
+    (tmp_path / "t.json").write_text(json.dumps({"dtype": "int8"}))
+    with pytest.raises(UserError, match="dtype"):
+        token_file.read_sidecar(tmp_path / "t.bin")
+    assert token_file.read_sidecar(tmp_path / "none.bin") is None

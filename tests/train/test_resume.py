@@ -1,0 +1,225 @@
+"""Resuming and recovering runs: a missing `latest`, damaged checkpoints, an explicit step to
+resume from, and pruning that never removes checkpoints this run did not write."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from scratchlm.config import load_config
+from scratchlm.errors import UserError
+from scratchlm.train import checkpoint as ckpt
+from scratchlm.train.commands import run_training
+from scratchlm.train.config import TrainConfig
+from scratchlm.train.data_feed import TrainData
+from scratchlm.train.metrics import read_metrics
+
+VOCAB = 48
+
+
+def write_tokens(path, n, seed, *, vocab_size=VOCAB, tokenizer_hash=""):
+    """A learnable stream (a noisy counter modulo VOCAB) as a uint16 token file with its sidecar."""
+    rng = np.random.default_rng(seed)
+    ids = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(0, VOCAB, n)) % VOCAB
+    ids.astype(np.uint16).tofile(path)
+    path.with_suffix(".json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": vocab_size, "tokenizer_hash": tokenizer_hash,
+         "num_documents": 1, "num_tokens": n}))
+    return str(path)
+
+
+def make_cfg(tmp_path, **trainer) -> TrainConfig:
+    train = write_tokens(tmp_path / "train.bin", 4000, 0)
+    val = write_tokens(tmp_path / "val.bin", 1000, 1)
+    cfg = load_config(TrainConfig, None, [
+        f"--data.train_path={train}", f"--data.val_path={val}",
+        f"--model.vocab_size={VOCAB}", "--model.context_length=16", "--model.d_model=32",
+        "--model.num_layers=2", "--model.num_heads=4", "--model.d_ff=48",
+        "--optim.lr=1e-2", "--optim.min_lr=1e-3", "--optim.warmup_steps=2",
+        f"--trainer.out_dir={tmp_path / 'run'}", "--trainer.batch_size=4", "--trainer.max_steps=12",
+        "--trainer.log_interval=1", "--trainer.eval_interval=4", "--trainer.eval_batches=2",
+        "--trainer.checkpoint_interval=4", "--trainer.keep_checkpoints=2", "--trainer.device=cpu",
+        "--trainer.deterministic=true", "--trainer.progress=false",
+    ])
+    return replace(cfg, trainer=replace(cfg.trainer, **trainer))
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return make_cfg(tmp_path)
+
+
+def with_out(cfg, out):
+    return replace(cfg, trainer=replace(cfg.trainer, out_dir=str(out)))
+
+
+def train_steps(run):
+    return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["event"] == "train"]
+
+
+def train_losses(run):
+    return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["event"] == "train"]
+
+
+def step_names(run):
+    return [p.name for p in ckpt.list_steps(run)]
+
+
+def stop_at(cfg, run, step):
+    """Train `run` and lose the process right after the checkpoint at `step`."""
+    calls = {"n": 0}
+    real = TrainData.next_batch
+
+    def crash(self, device):
+        calls["n"] += 1
+        if calls["n"] == step + 1:
+            raise RuntimeError("node lost")
+        return real(self, device)
+
+    TrainData.next_batch = crash
+    try:
+        with pytest.raises(RuntimeError, match="node lost"):
+            run_training(with_out(cfg, run))
+    finally:
+        TrainData.next_batch = real
+
+
+# ---------------------------------------------------------------- resume without `latest`
+
+
+def test_resume_without_latest_continues_from_the_newest_step_and_keeps_the_log(cfg, tmp_path, caplog):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_training(with_out(cfg, straight))
+    stop_at(replace(cfg, trainer=replace(cfg.trainer, keep_checkpoints=5)), run, 8)
+    (run / "checkpoints" / "latest").unlink()
+    assert train_steps(run) == list(range(1, 9))
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(replace(cfg, trainer=replace(cfg.trainer, keep_checkpoints=5)), resume=True)
+    assert "step_000008" in caplog.text
+    assert train_losses(run) == train_losses(straight)  # continued at step 8: nothing retrained, nothing lost
+    assert step_names(run) == ["step_000004", "step_000008", "step_000012"]
+
+
+def test_resume_without_latest_refuses_a_damaged_newest_step_and_names_the_intact_one(cfg, tmp_path):
+    run = tmp_path / "run"
+    stop_at(replace(cfg, trainer=replace(cfg.trainer, keep_checkpoints=5)), run, 8)
+    (run / "checkpoints" / "latest").unlink()
+    weights = run / "checkpoints" / "step_000008" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    metrics_before, config_before = (run / "metrics.jsonl").read_text(), (run / "config.toml").read_text()
+    with pytest.raises(UserError) as err:
+        run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=20)), resume=True)
+    message = str(err.value)
+    assert "\n" not in message and str(weights) in message and "step_000004" in message
+    assert (run / "metrics.jsonl").read_text() == metrics_before
+    assert (run / "config.toml").read_text() == config_before  # a refused resume changes nothing
+    assert step_names(run) == ["step_000004", "step_000008"]
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_keeps_its_log(cfg, tmp_path):
+    run = tmp_path / "run"
+    stop_at(replace(cfg, trainer=replace(cfg.trainer, checkpoint_interval=10)), run, 3)
+    assert not step_names(run)
+    before = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in before if r["event"] == "train"] == [1, 2, 3]
+    run_training(cfg, resume=True)
+    assert train_steps(run) == list(range(1, 13))  # started over, as there was nothing to resume
+    assert read_metrics(run / "metrics.dropped.jsonl") == before  # and the lost run's log is kept
+
+
+def test_a_fresh_run_in_an_empty_resume_directory_starts_at_zero(cfg, tmp_path):
+    run_training(cfg, resume=True)  # scripts that always pass --resume
+    assert train_steps(tmp_path / "run") == list(range(1, 13))
+    assert not (tmp_path / "run" / "metrics.dropped.jsonl").exists()
+
+
+# ---------------------------------------------------------------- pruning
+
+
+def test_pruning_never_removes_steps_newer_than_the_one_committed(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (10, 20, 30):
+        ckpt.save_run_checkpoint(tmp_path, step, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+                                 state={"step": step}, config_text="", keep=5)
+    ckpt.save_run_checkpoint(tmp_path, 5, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+                             state={"step": 5}, config_text="", keep=1)
+    assert step_names(tmp_path) == ["step_000005", "step_000010", "step_000020", "step_000030"]
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # flip a few bytes in the middle, as a bad disk or copy does
+        for i in range(len(data) // 2, len(data) // 2 + 8):
+            data[i] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "state.pt"])
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_damaged_latest_checkpoint_is_refused_naming_the_file_and_the_intact_one(cfg, tmp_path, name, how):
+    run = tmp_path / "run"
+    stop_at(cfg, run, 8)
+    damaged = run / "checkpoints" / "step_000008" / name
+    _damage(damaged, how)
+    metrics_before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(UserError) as err:
+        run_training(cfg, resume=True)
+    message = str(err.value)
+    assert "\n" not in message and str(damaged) in message and "damaged" in message
+    assert "step_000004" in message and "resume" in message
+    assert (run / "metrics.jsonl").read_text() == metrics_before
+    assert step_names(run) == ["step_000004", "step_000008"]
+
+
+def test_resume_from_an_older_step_sets_newer_ones_aside_and_replays_bitwise(cfg, tmp_path):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_training(with_out(cfg, straight))
+    stop_at(cfg, run, 8)
+    _damage(run / "checkpoints" / "step_000008" / "optimizer.pt", "flip")
+    dropped = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > 4]
+    run_training(cfg, resume="step_000004")
+    assert train_losses(run) == train_losses(straight)
+    assert step_names(run) == ["step_000008", "step_000012"]
+    aside = [p.name for p in (run / "checkpoints").iterdir() if "step_000008" in p.name and p.name != "step_000008"]
+    assert len(aside) == 1 and (run / "checkpoints" / aside[0] / "optimizer.pt").is_file()  # kept, not deleted
+    assert read_metrics(run / "metrics.dropped.jsonl") == dropped
+
+
+def test_resume_from_a_step_that_does_not_exist(cfg, tmp_path):
+    run = tmp_path / "run"
+    stop_at(cfg, run, 8)
+    with pytest.raises(UserError, match=r"step_000006.*step_000004, step_000008"):
+        run_training(cfg, resume=6)
+
+
+def test_a_checkpoint_without_checksums_still_resumes_with_one_warning(cfg, tmp_path, caplog):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_training(with_out(cfg, straight))
+    stop_at(cfg, run, 8)
+    for step in ("step_000004", "step_000008"):
+        (run / "checkpoints" / step / ckpt.CHECKSUMS).unlink()  # as checkpoints written before them
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(cfg, resume=True)
+    assert [r.name for r in caplog.records if ckpt.CHECKSUMS in r.getMessage()] == ["scratchlm.train"]  # once
+    assert train_losses(run) == train_losses(straight)
+
+
+def test_a_truncated_old_checkpoint_without_checksums_is_named(cfg, tmp_path):
+    run = tmp_path / "run"
+    stop_at(cfg, run, 8)
+    step8 = run / "checkpoints" / "step_000008"
+    (step8 / ckpt.CHECKSUMS).unlink()
+    _damage(step8 / "optimizer.pt", "truncate")
+    with pytest.raises(UserError, match=rf"{step8 / 'optimizer.pt'}.*damaged.*step_000004"):
+        run_training(cfg, resume=True)
