@@ -91,10 +91,11 @@ def gpu_peak_flops(gpu_name: str, precision: str = "bf16") -> float | None:
     """
     from scratchlm.dtypes import canonical_dtype
 
-    key = precision if precision == "tf32" else canonical_dtype(precision)
+    try:
+        key = "tf32" if precision == "tf32" else canonical_dtype(precision)
+    except ValueError:
+        raise ValueError(f"precision must be one of {', '.join(PEAK_PRECISIONS)} or fp16, got {precision!r}") from None
     key = "bf16" if key == "fp16" else key  # the tensor-core rate: the same for fp16 and bf16
-    if key not in PEAK_PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PEAK_PRECISIONS)}, got {precision!r}")
     for fragment, peaks in GPU_PEAK_FLOPS:
         if fragment in gpu_name:
             return peaks.get(key)
