@@ -28,3 +28,15 @@ def test_cuda_timing_and_peak_memory():
     result = benchmark(lambda: a @ a, warmup=2, steps=3)
     assert result.peak_memory_bytes >= a.numel() * 4 * 2
     assert all(t > 0 for t in result.times)
+
+
+def test_timing_device_defaults_to_cuda_or_cpu_never_mps(monkeypatch):
+    from scratchlm.bench.harness import timing_device
+    from scratchlm.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert timing_device(None) == torch.device("cpu")
+    assert timing_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="CUDA is not available"):
+        timing_device("cuda")

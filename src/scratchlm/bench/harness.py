@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from scratchlm.device import gpu_peak_flops
+from scratchlm.device import gpu_peak_flops, resolve_device
 
-__all__ = ["BenchmarkResult", "benchmark", "H200_BF16_DENSE_PEAK", "H200_BF16_MEASURED_MATMUL"]
+__all__ = ["BenchmarkResult", "benchmark", "timing_device", "H200_BF16_DENSE_PEAK", "H200_BF16_MEASURED_MATMUL"]
 
 # Dense bf16 tensor-core rate of an H200 SXM by its datasheet (FLOP/s; an H100 SXM's too).
 H200_BF16_DENSE_PEAK = gpu_peak_flops("H200", "bf16")
@@ -58,10 +58,10 @@ class BenchmarkResult:
         return f"{self.mean * 1e3:.3f} ± {self.std * 1e3:.3f} ms (min {self.min * 1e3:.3f}){mem}"
 
 
-def _device_of(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def timing_device(device: str | torch.device | None) -> torch.device:
+    """The device to time on: `device` (see `scratchlm.device.resolve_device`), by default CUDA
+    when available, else the CPU. Not MPS: the timers synchronise CUDA only."""
+    return resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def benchmark(fn: Callable[[], Any], warmup: int = 5, steps: int = 10,
@@ -75,7 +75,7 @@ def benchmark(fn: Callable[[], Any], warmup: int = 5, steps: int = 10,
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    dev = _device_of(device)
+    dev = timing_device(device)
     cuda = dev.type == "cuda"
 
     def synchronize() -> None:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark
+from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark, timing_device
 from scratchlm.bench.profile import add_layer_nvtx_ranges, memory_snapshot, nvtx_range, profile_table
-from scratchlm.device import peak_flops, resolve_device
+from scratchlm.device import peak_flops
 from scratchlm.dtypes import torch_dtype
 from scratchlm.errors import UserError
 from scratchlm.model.accounting import TRAIN_FORWARDS, model_flops_per_token
@@ -138,8 +138,7 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
 
 def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     """The device and precision to run at, after checking the sizes asked for."""
-    # not "auto": the timing harness synchronises CUDA only, so without a device named it is CUDA or the CPU
-    device = resolve_device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = timing_device(options.device or None)
     precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
     if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
         raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")

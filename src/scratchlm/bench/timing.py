@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from scratchlm.bench.harness import timing_device
+
 __all__ = ["back_to_back", "timed_windows"]
 
 
@@ -21,19 +23,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def timed_windows(step: Callable[[], Any], steps: int, windows: int, *,
                   device: str | torch.device | None = None) -> list[float]:
     """Seconds per step of each of ``windows`` windows of ``steps`` back-to-back steps (host clock,
     the device synchronised before and after each window)."""
     if steps < 1 or windows < 1:
         raise ValueError(f"steps and windows must be >= 1, got {steps} and {windows}")
-    dev = _device(device)
+    dev = timing_device(device)
     times = []
     for _ in range(windows):
         _synchronize(dev)
@@ -54,7 +50,7 @@ def back_to_back(step: Callable[[], Any], steps: int, repeats: int = 3, *,
     """
     if steps < 1 or repeats < 1:
         raise ValueError(f"steps and repeats must be >= 1, got {steps} and {repeats}")
-    dev = _device(device)
+    dev = timing_device(device)
     if dev.type != "cuda":
         per_step = timed_windows(step, steps, repeats, device=dev)
         return sorted(per_step)[len(per_step) // 2]
