@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scratchlm.errors import UserError
-from scratchlm.train.commands import run_training
+from scratchlm.cli.train import run_training
 from tests.train.test_resume import VOCAB, make_cfg, train_steps, write_tokens
 
 

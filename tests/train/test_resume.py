@@ -14,7 +14,7 @@ import torch
 from scratchlm.config import load_config
 from scratchlm.errors import UserError
 from scratchlm.train import checkpoint as ckpt
-from scratchlm.train.commands import run_training
+from scratchlm.cli.train import run_training
 from scratchlm.train.config import TrainConfig
 from scratchlm.train.data_feed import TrainData
 from scratchlm.train.metrics import read_metrics
