@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from scratchlm.device import resolve_device
 from scratchlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -256,18 +257,6 @@ def init_strategy(cfg: ParallelConfig, *, device: str | torch.device = "auto") -
     if not issubclass(cls, DistributedStrategy):
         return cls(cfg, device=resolve_device(device))
     return cls(cfg, **_join_process_group(cfg))
-
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """ "auto" -> cuda when available, else cpu; anything else as torch spells it."""
-    if isinstance(name, torch.device):
-        return name
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"trainer.device={name!r} but CUDA is not available")
-    return device
 
 
 def _join_process_group(cfg: ParallelConfig) -> dict[str, Any]:
