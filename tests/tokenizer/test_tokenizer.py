@@ -186,11 +186,11 @@ def test_an_interrupted_encode_leaves_no_placeholder_in_the_cache(trained, monke
     def interrupted(units):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tok, "_fill_cache", interrupted)
+    monkeypatch.setattr(tok, "_tokens_of", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tok.encode(text)
     monkeypatch.undo()
-    assert not tok._cache and not tok._cache.missed
+    assert not tok._cache and not tok._cache.new()
     assert tok.encode(text) == trained.encode(text)
 
 
