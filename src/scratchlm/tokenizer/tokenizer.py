@@ -117,6 +117,10 @@ class _UnitCache(defaultdict):
         n = len(self) - self.base
         return list(islice(reversed(self), n))[::-1] if n else []
 
+    def __reduce__(self):
+        # The factory (an iterator) cannot be pickled or copied: a copy starts afresh.
+        return type(self), (dict(self), self.first_placeholder)
+
     def room(self, n: int) -> bool:
         """Whether n more new units fit, under MAX_CACHE_UNITS entries and within the placeholders."""
         return len(self) + n <= MAX_CACHE_UNITS and self.first_placeholder + len(self) - self.base + n <= 0x110000
