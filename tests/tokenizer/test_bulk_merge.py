@@ -92,3 +92,27 @@ def test_pair_table_finds_exactly_its_keys(n):
     slots = table.lookup(queries)
     position = {int(k): int(s) for k, s in zip(keys, table.slots_of_keys)}
     assert slots.tolist() == [position.get(int(q), table.size) for q in queries]
+
+
+def test_batched_encoding_equals_the_per_word_path(trained, tinystories_text, monkeypatch):
+    """A cold encode (new units batched: one regex pass, one numpy merge loop) gives the ids of
+    the per-word merge loop, on real text, on random byte strings, and with a merge listed twice."""
+    from scratchlm.tokenizer import tokenizer as module
+
+    rng = random.Random(5)
+    real = tinystories_text[:40_000]
+    words = sorted({p.encode("utf-8") for p in pretokenize(real)})
+    random_bytes = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 30))) for _ in range(3000)]
+    merges = list(trained.merges)
+    doubled = Tokenizer(trained.vocab, merges[:40] + merges[10:20] + merges[40:], [EOT])
+    for tok in (trained, doubled):
+        tok = Tokenizer(tok.vocab, tok.merges, [EOT])
+        merger = tok._bulk_merger()
+        assert merger is not None
+        for batch in (words, random_bytes):
+            assert merger.merge(batch) == [tok._merge_loop(w) for w in batch]
+        batched = Tokenizer(tok.vocab, tok.merges, [EOT]).encode(real)
+        monkeypatch.setattr(module, "BULK_MERGE_MIN", 1 << 30)  # every new pretoken through _merge_loop
+        assert Tokenizer(tok.vocab, tok.merges, [EOT]).encode(real) == batched
+        monkeypatch.undo()
+        assert batched == trained.encode(real)

@@ -186,12 +186,23 @@ def test_an_interrupted_encode_leaves_no_placeholder_in_the_cache(trained, monke
     def interrupted(units):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tok, "_fill_cache", interrupted)
+    monkeypatch.setattr(tok, "_tokens_of", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tok.encode(text)
     monkeypatch.undo()
-    assert not tok._cache and not tok._cache.missed
+    assert not tok._cache and not tok._cache.new()
     assert tok.encode(text) == trained.encode(text)
+
+
+def test_a_used_tokenizer_can_be_pickled_and_copied(trained, tinystories_text):
+    import copy
+    import pickle
+
+    tok = Tokenizer(trained.vocab, trained.merges, [EOT])
+    tok.encode(tinystories_text[:5000])
+    for clone in (pickle.loads(pickle.dumps(tok)), copy.deepcopy(tok)):
+        assert dict(clone._cache) == dict(tok._cache)
+        assert clone.encode(tinystories_text[:20_000]) == trained.encode(tinystories_text[:20_000])
 
 
 def test_encode_iterable_keeps_the_caches_within_their_bounds(trained, tinystories_text, monkeypatch):
