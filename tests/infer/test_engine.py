@@ -46,7 +46,7 @@ def test_static_equals_dynamic_greedy_ragged(model):
     assert len({tuple(o) for o in static}) > 1
 
 
-def test_refill_and_compaction_keep_every_row_exact(model):
+def test_refill_and_compaction_keep_every_row_exact(model, monkeypatch):
     # 11 prompts through 3 slots: finished rows' slots take waiting prompts, then the batch
     # shrinks; with stop ids rows finish at different steps.
     prompts = _prompts(11, seed=1)
@@ -54,8 +54,20 @@ def test_refill_and_compaction_keep_every_row_exact(model):
     stops = [free[0][2], free[3][5]]
     expected = generate(model, prompts, 25, temperature=0, kv_cache="dynamic", eos_id=stops)
     assert any(len(e) < 25 for e in expected) and any(len(e) == 25 for e in expected)
+    calls = {"refill": 0, "compact": 0}
+    start_rows, compact = DecodeEngine._start_rows, DecodeEngine._compact
+
+    def counting(name, fn):
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(DecodeEngine, "_start_rows", counting("refill", start_rows))
+    monkeypatch.setattr(DecodeEngine, "_compact", counting("compact", compact))
     for max_batch in (1, 3, 4, 11):
         assert generate(model, prompts, 25, temperature=0, eos_id=stops, max_batch=max_batch) == expected
+    assert calls["refill"] > 4 and calls["compact"] > 0  # both were exercised
     for e in expected:
         cut = [i for i, t in enumerate(e) if t in stops]
         assert not cut or cut[0] == len(e) - 1  # ends at its first stop id
@@ -107,3 +119,42 @@ def test_cuda_graph_engine_matches_dynamic(compile):
     assert generate(m, prompts, 300, temperature=0, eos_id=[17, 99], compile=compile, max_batch=5) == expected
     sampled = generate(m, prompts, 40, temperature=1.0, top_p=0.9, seed=1, compile=compile)
     assert sampled == generate(m, prompts, 40, temperature=1.0, top_p=0.9, seed=1, compile=compile)
+
+
+class _CharTokenizer:
+    """Just what HFPolicy uses of a tokenizer: one id per character (ids 1..), eos 0."""
+
+    eos_token_id = pad_token_id = 0
+    eos_token = "<eos>"
+    padding_side = "left"
+
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 40 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("|" if i == 0 else chr(ord("a") + i % 26) for i in ids)
+
+
+def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.align.policy import HFPolicy
+
+    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8)
+    prompts = ["hello there", "x", "a longer prompt of text"]
+    engine = HFPolicy(hf, _CharTokenizer())
+    reference = HFPolicy(hf, _CharTokenizer(), use_engine=False)
+    ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert engine._twin not in (None, False)  # the engine path was taken
+    theirs = reference.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert len({tuple(c.token_ids) for c in ours}) > 1
+    with torch.no_grad():  # a training step changes the weights: the twin follows
+        hf.lm_head.weight.mul_(-1)
+    assert [c.token_ids for c in engine.generate(prompts, max_new_tokens=12, temperature=0.0)] == \
+        [c.token_ids for c in reference.generate(prompts, max_new_tokens=12, temperature=0.0)]
