@@ -19,7 +19,8 @@ embeddings). Two workloads:
   --rollout-max new tokens (each row stops on its own: ragged rollouts). tokens/s counts the
   tokens actually generated (rows stop at different steps on each side, so counts differ).
 
-Each timing is the median of --repeats runs after one warm-up run (which also compiles).
+Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after one warm-up
+run (which also compiles and captures).
 --profile writes the CUDA kernel-time table of a few eager decode steps of the engine.
 """
 
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-mean", type=int, default=256)
     p.add_argument("--rollout-max", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rollout-repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
@@ -178,13 +180,22 @@ def main(argv: list[str] | None = None) -> int:
           f"batch-1 limit {limit:.0f} tokens/s", flush=True)
 
     rows, gen = [], torch.Generator().manual_seed(1)
+
+    def save() -> None:  # after each workload, so a run cut short still leaves its numbers
+        if args.out:
+            import transformers
+
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+                           "weight_bytes_per_step": wbytes, "rows": rows}, f, indent=2)
     prompt = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()]
     n = args.new_tokens
     impls = {
         "hf_generate_dynamic": lambda: _hf_generate(hf, prompt, n),
-        "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
         "scratchlm_engine_graphs": lambda: generate(model, prompt, n, temperature=0),
         "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
+        "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
     }
     results = {}
     for name, fn in impls.items():
@@ -209,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "vs_hf_static_compile": static[0] / seconds if static else None,
             "agree_with_hf": _agreement(out, ref[1]) if ref else None,
         })
+    save()
 
     for B in args.rollout_batch:
         lens = torch.randint(32, 257, (B,), generator=gen).tolist()
@@ -218,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_ids = torch.randperm(cfg.vocab_size, generator=gen)[:n_stop].tolist()
         m = args.rollout_max
         impls = {
-            "hf_generate_dynamic": lambda: _hf_generate(hf, prompts, m, sample=True, stop_ids=stop_ids),
             "scratchlm_engine_graphs": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids, seed=0),
+            "hf_generate_dynamic": lambda: _hf_generate(hf, prompts, m, sample=True, stop_ids=stop_ids),
             "scratchlm_engine_graphs_compile": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids,
                                                                 seed=0, compile=True),
         }
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                seconds, out = _timed(fn, args.repeats)
+                seconds, out = _timed(fn, args.rollout_repeats)
             except Exception as e:
                 print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
                 continue
@@ -244,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": count / seconds,
                 "vs_hf_dynamic": (count / seconds) / (ref[1] / ref[0]) if ref else None,
             })
+        save()
 
     print(f"{'model':<8} {'workload':<17} {'impl':<32} {'batch':>5} {'tok/s':>8} {'vs HF':>6} {'vs HF st+c':>10} {'% BW':>5}")
     for r in rows:
@@ -251,13 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         bw = r.get("bandwidth_limit_share")
         print(f"{r['model']:<8} {r['workload']:<17} {r['impl']:<32} {r['batch']:>5} {r['tokens_per_s']:>8.0f} "
               f"{r['vs_hf_dynamic'] or 0:>6.2f} {st or 0:>10.2f} {100 * bw if bw else 0:>5.1f}")
-    if args.out:
-        import transformers
-
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "transformers": transformers.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
-                       "weight_bytes_per_step": wbytes, "rows": rows}, f, indent=2)
     if args.profile:
         for B in (1, 64):
             _profile(model, [prompt[0]] * B, 5, f"{args.profile}_b{B}.txt", compile=True)

@@ -10,7 +10,10 @@ step be captured once (CUDA graph, torch.compile) and replayed.
 
 The model sees the cache through the interface its attention already calls
 (`update(layer_idx, k, v) -> (k_all, v_all)`, `attention_mask(T, L, device=...)`,
-`positions(T, layer_idx=..., device=...)`), via two short-lived views:
+`positions(T, layer_idx=..., device=...)`), via two short-lived views. Each also offers
+`attend(q, k, v, mask)`, which the attention uses when a cache has it: torch's fused
+`F.scaled_dot_product_attention` (flash / memory-efficient kernels) in the cache's dtype,
+where the model's reference path computes in float32:
 
 - `PrefillView`: T prompt tokens of some slots, right-padded, at positions 0 .. T - 1; their
   keys/values go to slots 0 .. T - 1 of those rows and attention is plainly causal (a real
@@ -22,6 +25,7 @@ The model sees the cache through the interface its attention already calls
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scratchlm.model.functional import causal_mask
@@ -90,6 +94,10 @@ class PrefillView:
     def attention_mask(self, T: int, L: int, *, device=None) -> Tensor:
         return causal_mask(T, L, device=device)
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Causal attention of the prompt tokens, (n, H, T, d), by torch's fused kernel."""
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
+
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return torch.arange(T, device=device)
 
@@ -119,6 +127,12 @@ class DecodeView:
 
     def attention_mask(self, T: int, L: int, *, device=None) -> Tensor:
         return self.mask
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """q (b, H, 1, d) over the window k, v (b, H, L, d) by torch's fused kernel, in the cache's
+        dtype: the math path would first copy the whole window to float32, the bulk of a
+        batched step's memory traffic."""
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask).to(q.dtype)
 
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return self.pos[:, None]

@@ -168,7 +168,8 @@ class MultiHeadSelfAttention(nn.Module):
                 raise ValueError("with a kv_cache, padding is given to the cache, not as attention_mask")
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, L, d)
             mask = kv_cache.attention_mask(T, k.shape[-2], device=x.device)  # (B, 1, T, L), (T, L) or None
-            out = scaled_dot_product_attention(q, k, v, mask)
+            attend = getattr(kv_cache, "attend", scaled_dot_product_attention)  # a cache may bring its own kernel
+            out = attend(q, k, v, mask)
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
             out = scaled_dot_product_attention(q, k, v, mask)
