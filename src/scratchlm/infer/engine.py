@@ -103,9 +103,14 @@ class DecodeEngine:
         rows = torch.arange(b, device=nxt.device)
         self.out[rows, self.n_out[:b]] = nxt  # a finished row writes past its end: ignored
         self.n_out[:b] += live
-        stop = (self.n_out[:b] >= self.budget[:b]) | torch.isin(nxt, self.stop_ids)
+        stop = (self.n_out[:b] >= self.budget[:b]) | self._is_stop(nxt)
         self.done[:b] |= live & stop
         self.tokens[:b] = nxt
+
+    def _is_stop(self, ids: Tensor) -> Tensor:
+        # A plain (n, K) comparison: torch.isin switches to a sorting algorithm for long tables,
+        # whose `unique` reads a size back to the host (not allowed inside a graph capture).
+        return (ids[:, None] == self.stop_ids).any(dim=-1)
 
     def _step_body(self, b: int, L: int, greedy: bool) -> Tensor:
         pos = self.lens[:b].clamp(max=self.max_len - 1)  # finished rows may run past their end
@@ -188,7 +193,7 @@ class DecodeEngine:
         self.out[idx, 0] = nxt
         self.n_out[idx] = 1
         self.tokens[idx] = nxt
-        self.done[idx] = (self.budget[idx] <= 1) | torch.isin(nxt, self.stop_ids)
+        self.done[idx] = (self.budget[idx] <= 1) | self._is_stop(nxt)
 
     def _compact(self, live: list[int], hi: int) -> None:
         """Move the live slots (ascending) to slots 0 .. len(live) - 1."""
