@@ -158,3 +158,14 @@ def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
         hf.lm_head.weight.mul_(-1)
     assert [c.token_ids for c in engine.generate(prompts, max_new_tokens=12, temperature=0.0)] == \
         [c.token_ids for c in reference.generate(prompts, max_new_tokens=12, temperature=0.0)]
+
+
+def test_engine_is_kept_per_model_and_released(model):
+    from scratchlm.infer import generate as gen
+
+    generate(model, [[1, 2, 3]], 4, temperature=0)
+    engine = gen._ENGINES[model][1]
+    generate(model, [[4, 5]], 4, temperature=0)
+    assert gen._ENGINES[model][1] is engine  # same shape: reused
+    gen.release_engines(model)
+    assert model not in gen._ENGINES

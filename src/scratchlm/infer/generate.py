@@ -133,6 +133,15 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LEN_STEP = 256
 
 
+def release_engines(model: nn.Module | None = None) -> None:
+    """Drop the engine kept for `model` (all engines when None): its cache and captured steps
+    hold device memory between calls, which a training step may want back."""
+    if model is None:
+        _ENGINES.clear()
+    else:
+        _ENGINES.pop(model, None)
+
+
 def _engine_for(model: nn.Module, slots: int, need: int, compile: bool) -> DecodeEngine:
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and device.type in ("cuda", "cpu")
