@@ -1,14 +1,27 @@
-"""Decoding speed: scratchlm generate (KV cache / no cache) vs Hugging Face LlamaForCausalLM.generate.
+"""Decoding speed: the scratchlm engine vs Hugging Face `generate` (dynamic cache, and static cache + compile).
 
-    python benchmarks/generate.py [--batch-sizes 1 8 32] [--prompt-len 64] [--new-tokens 256] [--json out.json]
+    python benchmarks/generate.py --model gpt2 [--rollout-batch 256] [--repeats 2] [--out out.json]
 
-One random-weight model of GPT-2-small shape (d_model 768, 12 layers, 12 heads, d_ff 2048,
-vocab 32000, context 1024) is converted with scratchlm.model.hf into an identical
-LlamaForCausalLM, so both sides run the same weights, dtype and greedy decoding of the same
-prompts. Prompts in a batch have different lengths (prompt_len down to prompt_len / 2, left
-padded). tokens/s counts generated tokens only (batch x new tokens), median of --repeats runs
-after a warm-up. "agree" is the fraction of generated tokens equal to Hugging Face's, up to
-the first divergence of each row (argmax near-ties flip under different kernels).
+One random-weight scratchlm model is converted with scratchlm.model.hf into an identical
+LlamaForCausalLM (same weights, bf16), so every peer does the same arithmetic. Two shapes:
+"gpt2" (GPT-2-small-like: vocab 50257, d_model 768, 12 layers, 12 heads, d_ff 2048) and
+"llama1b" (1B-class Llama: vocab 128256, d_model 2048, 16 layers, 32 heads, d_ff 8192, tied
+embeddings). Two workloads:
+
+- batch 1: greedy, a 64-token prompt, --new-tokens (256) new tokens. Peers: HF `generate`
+  (dynamic cache), HF `generate` with `cache_implementation="static"` (which compiles its
+  decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile.
+  tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
+  step reads (all but the input embedding, unless tied) once, so the limit is
+  bandwidth / weight bytes tokens/s; bandwidth is measured (device-to-device copy).
+- rollouts: --rollout-batch prompts of 32-256 tokens, sampled at temperature 1 with a set of
+  stop ids sized so that rows stop after ~--rollout-mean tokens on average, at most
+  --rollout-max new tokens (each row stops on its own: ragged rollouts). tokens/s counts the
+  tokens actually generated (rows stop at different steps on each side, so counts differ).
+
+Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after one warm-up
+run (which also compiles and captures).
+--profile writes the CUDA kernel-time table of a few eager decode steps of the engine.
 """
 
 from __future__ import annotations
@@ -25,9 +38,15 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.hf import hf_config, to_hf_state_dict
 from scratchlm.model.transformer import build_model
 
+SHAPES = {
+    "gpt2": ModelConfig(vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048),
+    "llama1b": ModelConfig(vocab_size=128256, context_length=2048, d_model=2048, num_layers=16, num_heads=32,
+                           d_ff=8192, rope_theta=500_000.0, tie_embeddings=True),
+}
+
 
 def _timed(fn, repeats: int):
-    fn()  # warm-up
+    fn()  # warm-up (compilation, graph capture)
     times, out = [], None
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -38,26 +57,67 @@ def _timed(fn, repeats: int):
     return statistics.median(times), out
 
 
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes/s: a 4 GiB device-to-device copy (read + write)."""
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    return 2 * 2**30 * 4 / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: all, less the embedding table unless tied."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or (name == "token_embeddings.weight" and p is not model.lm_head.weight):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
 def _hf_model(model, cfg, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_cfg = {k: v for k, v in hf_config(cfg, dtype=dtype).items() if k not in ("architectures", "model_type", "torch_dtype")}
-    hf = LlamaForCausalLM(LlamaConfig(**hf_cfg)).to(device="cuda", dtype=dtype).eval()
-    hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg))
+    options = {k: v for k, v in hf_config(cfg, dtype=dtype).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes, for 1B parameters
+        hf = LlamaForCausalLM(LlamaConfig(**options))
+    hf = hf.to(dtype).eval()
+    hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg), strict=False)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
     return hf
 
 
-def _hf_generate(hf, prompts, new_tokens):
+def _hf_generate(hf, prompts, new_tokens, *, static=False, sample=False, stop_ids=None):
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    kwargs = {"cache_implementation": "static"} if static else {}
+    if sample:
+        kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False, min_new_tokens=new_tokens)
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[:, width:].tolist()
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=0,
+                          eos_token_id=stop_ids, **kwargs)
+    rows = out[:, width:].tolist()
+    if stop_ids:  # HF pads finished rows; keep each row through its first stop id
+        stops = set(stop_ids)
+        rows = [r[: next((i + 1 for i, t in enumerate(r) if t in stops), len(r))] for r in rows]
+    return rows
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+def _agreement(a, b) -> float:
     same = total = 0
     for x, y in zip(a, b):
         n = 0
@@ -67,53 +127,146 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+def _profile(model, prompts, steps: int, path: str, compile: bool) -> None:
+    """Kernel-time table of `steps` eager engine decode steps (no graph: the profiler sees each kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from scratchlm.infer.engine import DecodeEngine
+
+    engine = DecodeEngine(model, len(prompts), 512, compile=compile, cuda_graphs=False)
+    with torch.inference_mode():
+        engine._start_rows(list(range(len(prompts))), prompts, [400] * len(prompts), (0, None, None, None))
+        for _ in range(3):
+            engine._step_body(len(prompts), 256, True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine._step_body(len(prompts), 256, True)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(table)
+    print(table[:6000])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--model", choices=sorted(SHAPES), default="gpt2")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-uncached", action="store_true", help="skip the (slow) recompute-everything path")
-    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--rollout-batch", type=int, nargs="*", default=[256])
+    p.add_argument("--rollout-mean", type=int, default=256)
+    p.add_argument("--rollout-max", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rollout-repeats", type=int, default=1)
+    p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
+    p.add_argument("--profile", help="write the engine's kernel-time table here")
+    p.add_argument("--out", help="write the rows to this JSON file")
     args = p.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
+    dtype = torch.bfloat16
 
+    bandwidth = copy_bandwidth()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32_000, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048)
+    cfg = SHAPES[args.model]
     model = build_model(cfg, device="cuda", dtype=dtype).eval()
-    with torch.no_grad():  # sharper next-token distributions, so greedy paths are not near-ties
-        model.lm_head.weight.mul_(4)
+    if not cfg.tie_embeddings:
+        with torch.no_grad():  # sharper next-token distributions, so greedy paths are not near-ties
+            model.lm_head.weight.mul_(4)
     hf = _hf_model(model, cfg, dtype)
+    wbytes = weight_bytes(model)
+    limit = bandwidth / wbytes  # tokens/s at batch 1 if only the weights had to be read
+    print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
+          f"{wbytes / 1e6:.0f} MB read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"batch-1 limit {limit:.0f} tokens/s", flush=True)
 
-    rows = []
-    gen = torch.Generator().manual_seed(1)
-    for B in args.batch_sizes:
-        lens = torch.linspace(args.prompt_len, args.prompt_len // 2, B).round().int().tolist()
-        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lens]
-        n_tokens = B * args.new_tokens
+    rows, gen = [], torch.Generator().manual_seed(1)
+
+    def save() -> None:  # after each workload, so a run cut short still leaves its numbers
+        if args.out:
+            import transformers
+
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+                           "weight_bytes_per_step": wbytes, "rows": rows}, f, indent=2)
+    prompt = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()]
+    n = args.new_tokens
+    impls = {
+        "hf_generate_dynamic": lambda: _hf_generate(hf, prompt, n),
+        "scratchlm_engine_graphs": lambda: generate(model, prompt, n, temperature=0),
+        "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
+        "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
+    }
+    results = {}
+    for name, fn in impls.items():
+        if name in args.skip:
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[name] = _timed(fn, args.repeats)
+        except Exception as e:  # a peer that fails is reported, the others still run
+            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"{name}: {n / results[name][0]:.0f} tokens/s ({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
+    ref = results.get("hf_generate_dynamic")
+    static = results.get("hf_generate_static_compile")
+    for name, (seconds, out) in results.items():
+        tps = n / seconds
+        rows.append({
+            "model": args.model, "workload": "batch1_greedy", "impl": name, "batch": 1, "prompt_len": args.prompt_len,
+            "new_tokens": n, "seconds": seconds, "tokens_per_s": tps, "ms_per_token": 1e3 * seconds / n,
+            "bandwidth_limit_share": tps / limit,
+            "vs_hf_dynamic": ref[0] / seconds if ref else None,
+            "vs_hf_static_compile": static[0] / seconds if static else None,
+            "agree_with_hf": _agreement(out, ref[1]) if ref else None,
+        })
+    save()
+
+    for B in args.rollout_batch:
+        lens = torch.randint(32, 257, (B,), generator=gen).tolist()
+        prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
+        # a row stops at each step with probability ~ (stop ids / vocab) under near-uniform draws
+        n_stop = max(1, round(cfg.vocab_size / args.rollout_mean))
+        stop_ids = torch.randperm(cfg.vocab_size, generator=gen)[:n_stop].tolist()
+        m = args.rollout_max
         impls = {
-            "hf_llama_generate": lambda: _hf_generate(hf, prompts, args.new_tokens),
-            "scratchlm_kv_cache": lambda: generate(model, prompts, args.new_tokens, temperature=0),
+            "scratchlm_engine_graphs": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids, seed=0),
+            "hf_generate_dynamic": lambda: _hf_generate(hf, prompts, m, sample=True, stop_ids=stop_ids),
+            "scratchlm_engine_graphs_compile": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids,
+                                                                seed=0, compile=True),
         }
-        if not args.no_uncached:
-            impls["scratchlm_no_cache"] = lambda: generate(model, prompts, args.new_tokens, temperature=0, use_kv_cache=False)
-        results = {name: _timed(fn, args.repeats) for name, fn in impls.items()}
-        ref_time, ref_out = results["hf_llama_generate"]
-        for name, (seconds, out) in results.items():
+        results = {}
+        for name, fn in impls.items():
+            if name in args.skip:
+                continue
+            t0 = time.perf_counter()
+            try:
+                seconds, out = _timed(fn, args.rollout_repeats)
+            except Exception as e:
+                print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            results[name] = (seconds, sum(len(o) for o in out))
+            print(f"{name} rollouts x{B}: {results[name][1] / seconds:.0f} tokens/s, {results[name][1]} tokens "
+                  f"({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
+        ref = results.get("hf_generate_dynamic")
+        for name, (seconds, count) in results.items():
             rows.append({
-                "impl": name, "batch": B, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                "dtype": args.dtype, "seconds": seconds, "tokens_per_s": n_tokens / seconds,
-                "speed_vs_hf": ref_time / seconds, "agree_with_hf": _agreement(out, ref_out),
+                "model": args.model, "workload": "rollouts_sampled", "impl": name, "batch": B, "prompt_len": "32-256",
+                "new_tokens": f"<= {m}, mean {count / B:.0f}", "seconds": seconds, "tokens": count,
+                "tokens_per_s": count / seconds,
+                "vs_hf_dynamic": (count / seconds) / (ref[1] / ref[0]) if ref else None,
             })
+        save()
 
-    print(f"{'impl':<20} {'batch':>5} {'seconds':>8} {'tok/s':>9} {'vs HF':>6} {'agree':>6}")
+    print(f"{'model':<8} {'workload':<17} {'impl':<32} {'batch':>5} {'tok/s':>8} {'vs HF':>6} {'vs HF st+c':>10} {'% BW':>5}")
     for r in rows:
-        print(f"{r['impl']:<20} {r['batch']:>5} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.0f} "
-              f"{r['speed_vs_hf']:>6.2f} {r['agree_with_hf']:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+        st = r.get("vs_hf_static_compile")
+        bw = r.get("bandwidth_limit_share")
+        print(f"{r['model']:<8} {r['workload']:<17} {r['impl']:<32} {r['batch']:>5} {r['tokens_per_s']:>8.0f} "
+              f"{r['vs_hf_dynamic'] or 0:>6.2f} {st or 0:>10.2f} {100 * bw if bw else 0:>5.1f}")
+    if args.profile:
+        for B in (1, 64):
+            _profile(model, [prompt[0]] * B, 5, f"{args.profile}_b{B}.txt", compile=True)
     return 0
 
 

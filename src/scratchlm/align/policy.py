@@ -2,10 +2,11 @@
 
 Post-training needs four things from a model: encode/decode text, sample completions of a
 batch of prompts, produce logits for log-probabilities, and save itself. `ScratchPolicy` wraps
-a scratchlm `TransformerLM` + `Tokenizer` and samples with the project's batched KV-cache
-generator (`scratchlm.infer.generate.generate`); `HFPolicy` wraps a Hugging Face
-`AutoModelForCausalLM` + `AutoTokenizer` loaded from a local directory and samples with its
-own `generate`. Neither generator knows stop strings, so completions are decoded and cut
+a scratchlm `TransformerLM` + `Tokenizer` and samples with the project's decoding engine
+(`scratchlm.infer.generate.generate`: static KV cache, CUDA-graph decode steps, finished rows'
+slots refilled); `HFPolicy` wraps a Hugging Face `AutoModelForCausalLM` + `AutoTokenizer`
+loaded from a local directory and samples with the same engine through a scratchlm twin when
+the model is a Llama the bridge converts, else with its own `generate`. Neither generator knows stop strings, so completions are decoded and cut
 just after the first stop string (``</answer>``); SFT targets end with the end-of-text token,
 so a trained policy also stops by itself.
 
@@ -84,6 +85,25 @@ def finish_completion(ids: list[int], eos_id: int | None, stop: tuple[str, ...],
     return Completion(text, len(ids), found or hit_eos, body + ([eos_id] if hit_eos else []))
 
 
+def engine_completions(model: nn.Module, rows: list[list[int]], *, max_new_tokens: int, temperature: float,
+                       top_p: float | None, top_k: int | None, stop: tuple[str, ...], seed: int | None,
+                       batch_size: int, eos_id: int | None, decode: Any) -> list[Completion]:
+    """Completions of token-id prompts by the scratchlm decoding engine (`infer.generate`)."""
+    from scratchlm.infer.generate import generate
+
+    if not rows:
+        return []
+    ctx = model.context_length
+    longest = max(len(r) for r in rows)
+    if longest >= ctx and max_new_tokens > 0:
+        raise UserError(f"a prompt of {longest} tokens leaves no room for a response within context_length={ctx}")
+    device = next(model.parameters()).device
+    with autocast_context(device):
+        new = generate(model, rows, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       eos_id=eos_id, use_kv_cache=True, seed=seed, max_batch=batch_size)
+    return [finish_completion(ids, eos_id, stop, decode) for ids in new]
+
+
 class ScratchPolicy:
     """A scratchlm TransformerLM and Tokenizer; samples with scratchlm.infer.generate."""
 
@@ -108,22 +128,12 @@ class ScratchPolicy:
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float | None = None, top_k: int | None = None, stop: tuple[str, ...] = (),
                  seed: int | None = None, batch_size: int = 64) -> list[Completion]:
-        """Sample one completion per prompt, `batch_size` prompts per generator call."""
-        from scratchlm.infer.generate import generate
-
-        out: list[Completion] = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = [self.encode(p) for p in prompts[start:start + batch_size]]
-            budget = min(max_new_tokens, self.context_length - max(len(c) for c in chunk))
-            if budget <= 0:
-                raise UserError(f"a prompt of {max(len(c) for c in chunk)} tokens leaves no room for a "
-                                f"response within context_length={self.context_length}")
-            with autocast_context(self.device):
-                new = generate(self.model, chunk, budget, temperature=temperature, top_k=top_k, top_p=top_p,
-                               eos_id=self.eos_id, use_kv_cache=True,
-                               seed=None if seed is None else seed + start)
-            out.extend(finish_completion(ids, self.eos_id, stop, self.decode) for ids in new)
-        return out
+        """Sample one completion per prompt; at most `batch_size` rows decode at once (the
+        engine refills a finished row's slot with the next waiting prompt)."""
+        rows = [self.encode(p) for p in prompts]
+        return engine_completions(self.model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, stop=stop, seed=seed, batch_size=batch_size,
+                                  eos_id=self.eos_id, decode=self.decode)
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:
         """Write a run directory (config.toml, tokenizer/, checkpoints/step_N) that
@@ -145,11 +155,20 @@ class ScratchPolicy:
 
 
 class HFPolicy:
-    """A Hugging Face causal LM and tokenizer from a local directory; samples with HF generate."""
+    """A Hugging Face causal LM and tokenizer from a local directory.
 
-    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+    A Llama that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
+    samples with the scratchlm decoding engine, through a scratchlm twin of the model whose
+    weights are copied from the Hugging Face model at every call (so they follow training);
+    other models (Qwen2, with its q/k/v biases, for one) sample with their own `generate`.
+    `use_engine=False` forces the latter.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, use_engine: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.use_engine = use_engine
+        self._twin: Any = None  # (scratchlm model, its config), False when the bridge cannot express the model
         self.device = next(model.parameters()).device
         self.eos_id = tokenizer.eos_token_id
         if tokenizer.pad_token_id is None:
@@ -170,7 +189,13 @@ class HFPolicy:
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float | None = None, top_k: int | None = None, stop: tuple[str, ...] = (),
                  seed: int | None = None, batch_size: int = 64) -> list[Completion]:
-        """Sample one completion per prompt with `model.generate` (left padding, KV cache)."""
+        """Sample one completion per prompt: with the scratchlm engine when the model converts,
+        else with `model.generate` (left padding, KV cache), `batch_size` prompts a call."""
+        twin = self._engine_twin() if self.use_engine else None
+        if twin is not None:
+            return engine_completions(twin, [self.encode(p) for p in prompts], max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
+                                      batch_size=batch_size, eos_id=self.eos_id, decode=self.decode)
         out: list[Completion] = []
         was_training = self.model.training
         self.model.eval()
@@ -194,6 +219,26 @@ class HFPolicy:
         finally:
             self.model.train(was_training)
         return out
+
+    def _engine_twin(self) -> nn.Module | None:
+        """The scratchlm model with this model's current weights, or None when it cannot be one."""
+        from scratchlm.model.hf import from_hf_state_dict, model_config_from_hf
+        from scratchlm.model.transformer import build_model
+
+        if self._twin is False:
+            return None
+        if self._twin is None:
+            try:
+                cfg = model_config_from_hf(self.model.config.to_dict())
+            except (UserError, KeyError, TypeError):
+                self._twin = False
+                return None
+            dtype = next(self.model.parameters()).dtype
+            self._twin = (build_model(cfg, device=self.device, dtype=dtype).eval(), cfg)
+        twin, cfg = self._twin
+        with torch.no_grad():
+            twin.load_state_dict(from_hf_state_dict(self.model.state_dict(), cfg))
+        return twin
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:
         """`save_pretrained` of the model and tokenizer into `out`."""

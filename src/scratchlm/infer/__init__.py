@@ -1,4 +1,4 @@
-"""Decoding: sampling filters, KV cache and batched generation; token ids only.
+"""Decoding: sampling filters, KV caches (growing and static), the decoding engine; token ids only.
 
 Names are resolved lazily so that importing the package (e.g. for the CLI table) is cheap.
 `generate` is not re-exported: its module has the same name, and the package attribute would
@@ -11,6 +11,8 @@ from scratchlm.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "KVCache": "scratchlm.infer.kv_cache",
+    "StaticKVCache": "scratchlm.infer.static_cache",
+    "DecodeEngine": "scratchlm.infer.engine",
     "sample_next": "scratchlm.infer.sampling",
     "top_k_filter": "scratchlm.infer.sampling",
     "top_p_filter": "scratchlm.infer.sampling",

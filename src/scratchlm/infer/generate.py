@@ -1,6 +1,12 @@
 """Autoregressive decoding of a batch of prompts, with or without a KV cache.
 
-Prompts of different lengths are left-padded into one batch. Padding slots are masked out of
+With the cache (the default) decoding runs on `engine.DecodeEngine`: a static cache, decode
+steps captured in CUDA graphs on GPU, finished rows' slots refilled with waiting prompts (at
+most `max_batch` rows decode at once), rows checked for completion every few steps. Rows are
+independent: each decodes exactly as it would alone. `kv_cache="dynamic"` keeps the simple
+loop below over the growing `KVCache` (the reference the engine is tested against).
+
+In the dynamic and uncached paths prompts of different lengths are left-padded into one batch. Padding slots are masked out of
 attention and each row's positions count from its own first token, so every row decodes
 exactly as it would alone. Finished rows (end-of-sequence, or their budget used up) stay in
 the batch until all rows are done: their samples are discarded, and the random stream is the
@@ -14,11 +20,13 @@ cache the window is cropped to the last `context_length` tokens, so decoding can
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from scratchlm.infer.engine import DecodeEngine
 from scratchlm.infer.kv_cache import KVCache
 from scratchlm.infer.sampling import sample_next
 
@@ -51,16 +59,23 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     use_kv_cache: bool = True,
     seed: int | None = None,
+    kv_cache: str = "static",
+    compile: bool = False,
+    max_batch: int = 256,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens of each.
 
-    A row stops after emitting `eos_id` (which is kept as its last token). temperature=0 is
-    greedy. With `seed`, sampling uses its own generator (same seed, same output); without
-    one it draws from torch's global RNG. The model is put in eval mode for the call and
-    restored afterwards.
+    A row stops after emitting `eos_id` (or any of several stop ids; the stop id is kept as its
+    last token). temperature=0 is greedy. With `seed`, sampling uses its own generator (same
+    seed, same output); without one it draws from torch's global RNG. The model is put in eval
+    mode for the call and restored afterwards.
+
+    kv_cache: "static" (the decoding engine) or "dynamic" (the growing cache); ignored without
+    the cache. compile: `torch.compile` the engine's decode step (CUDA; the first calls pay the
+    compilation). max_batch: rows decoded at once by the engine; more prompts wait for slots.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -72,27 +87,35 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
+    stop_ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    sampling = (temperature, top_k, top_p, generator)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            decode = _decode_cached if use_kv_cache else _decode_uncached
-            return decode(model, prompts, max_new_tokens, device, eos_id, (temperature, top_k, top_p, generator))
+            if not use_kv_cache:
+                return _decode_uncached(model, prompts, max_new_tokens, device, stop_ids, sampling)
+            if kv_cache == "dynamic":
+                return _decode_cached(model, prompts, max_new_tokens, device, stop_ids, sampling)
+            if kv_cache != "static":
+                raise ValueError(f"kv_cache must be 'static' or 'dynamic', got {kv_cache!r}")
+            return _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch)
     finally:
         model.train(was_training)
 
 
-def _record(outs: list[list[int]], done: list[bool], budgets: list[int], ids: list[int], eos_id: int | None) -> None:
+def _record(outs: list[list[int]], done: list[bool], budgets: list[int], ids: list[int], stop_ids) -> None:
     """Append this step's token to every unfinished row and mark rows that finish."""
     for b, t in enumerate(ids):
         if done[b]:
             continue
         outs[b].append(t)
-        if t == eos_id or len(outs[b]) >= budgets[b]:
+        if t in stop_ids or len(outs[b]) >= budgets[b]:
             done[b] = True
 
 
-def _decode_cached(model, prompts, max_new_tokens, device, eos_id, sampling) -> list[list[int]]:
+def _check_room(model, prompts, max_new_tokens) -> list[int]:
+    """Each row's token budget under context_length; an error for a prompt that leaves none."""
     ctx = model.context_length
     lens = [len(p) for p in prompts]
     for i, n in enumerate(lens):
@@ -101,7 +124,54 @@ def _decode_cached(model, prompts, max_new_tokens, device, eos_id, sampling) -> 
                 f"prompt {i} has {n} tokens, which leaves no room below context_length={ctx} "
                 "with the KV cache; shorten it or decode without the cache (it crops the window)"
             )
-    budgets = [min(max_new_tokens, ctx - n) for n in lens]
+    return [min(max_new_tokens, ctx - n) for n in lens]
+
+
+# One engine per model, kept while its shape fits: its captured (and compiled) steps are reused
+# by the next call, as rollouts call generate with the same batch size again and again.
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LEN_STEP = 256
+
+
+def release_engines(model: nn.Module | None = None) -> None:
+    """Drop the engine kept for `model` (all engines when None): its cache and captured steps
+    hold device memory between calls, which a training step may want back."""
+    if model is None:
+        _ENGINES.clear()
+    else:
+        _ENGINES.pop(model, None)
+
+
+def _engine_for(model: nn.Module, slots: int, need: int, compile: bool) -> DecodeEngine:
+    device = next(model.parameters()).device
+    autocast = torch.is_autocast_enabled(device.type) and device.type in ("cuda", "cpu")
+    mode = (compile, autocast, torch.get_autocast_dtype(device.type) if autocast else None,
+            next(model.parameters()).dtype)
+    max_len = min(model.context_length, -(-need // _LEN_STEP) * _LEN_STEP)
+    held = _ENGINES.get(model)
+    if held is not None and held[0] == mode and held[1].slots == slots and held[1].max_len >= need:
+        return held[1]
+    _ENGINES.pop(model, None)  # free the old cache before allocating the new one
+    engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_STEP)
+    _ENGINES[model] = (mode, engine)
+    return engine
+
+
+def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch) -> list[list[int]]:
+    budgets = _check_room(model, prompts, max_new_tokens)
+    if max(budgets) <= 0:
+        return [[] for _ in prompts]
+    need = max(len(p) + g for p, g in zip(prompts, budgets))
+    engine = _engine_for(model, min(len(prompts), max_batch), need, compile)
+    temperature, top_k, top_p, generator = sampling
+    return engine.run(prompts, budgets, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
+                      generator=generator)
+
+
+def _decode_cached(model, prompts, max_new_tokens, device, stop_ids, sampling) -> list[list[int]]:
+    ctx = model.context_length
+    lens = [len(p) for p in prompts]
+    budgets = _check_room(model, prompts, max_new_tokens)
     steps = max(budgets)
     outs: list[list[int]] = [[] for _ in prompts]
     done = [b == 0 for b in budgets]
@@ -116,7 +186,7 @@ def _decode_cached(model, prompts, max_new_tokens, device, eos_id, sampling) -> 
     next_pos = torch.tensor(lens, device=device)  # (B,) position of each row's next token
     for _ in range(steps):
         nxt = sample_next(logits, *sampling)  # (B,)
-        _record(outs, done, budgets, nxt.tolist(), eos_id)
+        _record(outs, done, budgets, nxt.tolist(), stop_ids)
         if all(done):
             break
         # Finished rows keep being fed (their output is ignored); clamping keeps their
@@ -127,7 +197,7 @@ def _decode_cached(model, prompts, max_new_tokens, device, eos_id, sampling) -> 
     return outs
 
 
-def _decode_uncached(model, prompts, max_new_tokens, device, eos_id, sampling) -> list[list[int]]:
+def _decode_uncached(model, prompts, max_new_tokens, device, stop_ids, sampling) -> list[list[int]]:
     ctx = model.context_length
     seqs = [list(p) for p in prompts]
     budgets = [max_new_tokens] * len(prompts)
@@ -141,7 +211,7 @@ def _decode_uncached(model, prompts, max_new_tokens, device, eos_id, sampling) -
             mask = torch.arange(ids.shape[1], device=device) >= torch.tensor(pads, device=device)[:, None]
         logits = model(ids, attention_mask=mask)[:, -1]  # (B, V); positions follow the mask
         nxt = sample_next(logits, *sampling).tolist()
-        _record(outs, done, budgets, nxt, eos_id)
+        _record(outs, done, budgets, nxt, stop_ids)
         for s, t in zip(seqs, nxt):
             s.append(t)
     return outs

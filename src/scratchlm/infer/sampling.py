@@ -72,4 +72,16 @@ def sample_next(
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
     probs = softmax(logits, dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One index per row of probs (B, V), drawn in proportion to them -> (B,) int64.
+
+    argmax(p / E) with E ~ Exponential(1) i.i.d. picks index i with probability p_i (the
+    exponential race); it is the algorithm `torch.multinomial(probs, 1)` runs, so the two draw
+    the same ids from the same generator state, but without multinomial's validity check,
+    which reads a value back to the host at every call: this one never synchronises.
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(dim=-1)

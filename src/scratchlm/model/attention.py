@@ -143,7 +143,9 @@ class MultiHeadSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, L, d)
             mask = kv_cache.attention_mask(T, k.shape[-2], device=x.device)  # (B, 1, T, L), (T, L) or None
-            out = backend.attend_masked(q, k, v, mask)
+            # A cache may bring its own kernel (the static decode cache: fused SDPA over its window).
+            attend = getattr(kv_cache, "attend", backend.attend_masked)
+            out = attend(q, k, v, mask)
         elif attention_mask is not None:
             mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
             out = backend.attend_masked(q, k, v, mask)

@@ -1,0 +1,280 @@
+"""The decoding engine: a static KV cache, a captured decode step, batched rollouts.
+
+Why it looks like this. Decoding a small model one token at a time is bound by the host: each
+step launches hundreds of small kernels, and Python issuing them costs far more than the GPU
+running them. So the per-token work is made replayable:
+
+- The KV cache is static (`static_cache.StaticKVCache`): fixed buffers, each row's length a
+  device tensor, so a step's shapes depend only on (b, L): the number of slots stepped and the
+  number of cache slots attention reads. L grows in steps of `len_bucket`, b is a power of
+  two (or the whole batch), so few distinct steps exist.
+- On CUDA each (b, L) step is captured once in a CUDA graph and replayed (optionally after
+  `torch.compile`, which fuses the elementwise work of the layers into few kernels). A greedy
+  step's graph also takes the argmax and records the token; a sampled step draws on the GPU
+  just after the replay (`sampling.sample_next` never synchronises). On the CPU the same step
+  runs eagerly.
+- Finished rows are found on the host only every `check_every` steps (one sync). Then the
+  finished rows' tokens are read back, their slots are refilled with waiting prompts (prefill
+  of just those rows), and once no prompt waits, the live rows are compacted into the first
+  slots so that the step shrinks to the next smaller batch size.
+
+Prefill runs the model's ordinary forward over right-padded prompts (causal attention only),
+writing each row's keys/values to slots 0 .. len - 1 of its slot. Row results do not depend on
+which other rows share the batch, except for the random stream when sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from scratchlm.infer.sampling import sample_next
+from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """The step sizes a batch of `slots` rows shrinks through: powers of two below it, then it.
+
+    Example: batch_buckets(6) -> [1, 2, 4, 6].
+    """
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out + [slots]
+
+
+def _lm_logits(model: nn.Module, ids: Tensor, positions: Tensor, view, last: Tensor | None) -> Tensor:
+    """Logits (n, V) at index `last` (n,) of each row (the final index when None)."""
+    if hasattr(model, "hidden_states") and hasattr(model, "lm_head"):
+        h = model.hidden_states(ids, positions, view)  # (n, T, d_model)
+        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
+        return model.lm_head(h)
+    logits = model(ids, positions, view)  # (n, T, V)
+    return logits[:, -1] if last is None else logits[torch.arange(logits.shape[0], device=logits.device), last]
+
+
+class DecodeEngine:
+    """Batched generation over `slots` rows with a static cache of `max_len` positions per row.
+
+    One engine can serve many `run` calls with the same slot count and maximum length; its
+    captured steps are kept. `compile` wraps the step's forward in `torch.compile` (CUDA only);
+    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
+    """
+
+    def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
+                 cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.slots = slots
+        self.max_len = max_len
+        self.len_bucket = len_bucket
+        self.check_every = check_every
+        cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
+        self.cache = StaticKVCache.for_model(model, slots, max_len, device=self.device)
+        self._forward = self._decode_logits
+        if compile and cuda:
+            self._forward = torch.compile(self._decode_logits, dynamic=True)
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._pool = None
+        dev, S = self.device, slots
+        self.tokens = torch.zeros(S, dtype=torch.long, device=dev)  # next input token of each slot
+        self.lens = torch.zeros(S, dtype=torch.long, device=dev)  # tokens in the cache of each slot
+        self.n_out = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
+        self.budget = torch.zeros(S, dtype=torch.long, device=dev)
+        self.done = torch.ones(S, dtype=torch.bool, device=dev)
+        # Generated tokens; a row never has more than max_len, and the last column takes the
+        # writes of finished rows. Fixed tensors, so captured steps stay valid across runs.
+        self.out = torch.zeros(S, max_len + 1, dtype=torch.long, device=dev)
+        self.stop_ids = torch.full((8,), -1, dtype=torch.long, device=dev)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _decode_logits(self, tokens: Tensor, pos: Tensor, L: int) -> Tensor:
+        view = DecodeView(self.cache, pos, L)
+        return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None).float()  # (b, V)
+
+    def _record(self, nxt: Tensor, b: int) -> None:
+        """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
+        live = ~self.done[:b]
+        rows = torch.arange(b, device=nxt.device)
+        self.out[rows, self.n_out[:b]] = nxt  # a finished row writes past its end: ignored
+        self.n_out[:b] += live
+        stop = (self.n_out[:b] >= self.budget[:b]) | self._is_stop(nxt)
+        self.done[:b] |= live & stop
+        self.tokens[:b] = nxt
+
+    def _is_stop(self, ids: Tensor) -> Tensor:
+        # A plain (n, K) comparison: torch.isin switches to a sorting algorithm for long tables,
+        # whose `unique` reads a size back to the host (not allowed inside a graph capture).
+        return (ids[:, None] == self.stop_ids).any(dim=-1)
+
+    def _step_body(self, b: int, L: int, greedy: bool) -> Tensor:
+        pos = self.lens[:b].clamp(max=self.max_len - 1)  # finished rows may run past their end
+        logits = self._forward(self.tokens[:b], pos, L)
+        self.lens[:b] = pos + 1
+        if greedy:
+            self._record(logits.argmax(dim=-1), b)
+        return logits
+
+    def _state(self) -> list[Tensor]:
+        return [self.tokens, self.lens, self.n_out, self.done, self.out]
+
+    def _step(self, b: int, L: int, greedy: bool) -> Tensor:
+        if not self.cuda_graphs:
+            return self._step_body(b, L, greedy)
+        key = (b, L, greedy)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(b, L, greedy)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
+
+    def _capture(self, b: int, L: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        saved = [t.clone() for t in self._state()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: compilation, library handles
+            for _ in range(2):
+                self._step_body(b, L, greedy)
+                for t, s in zip(self._state(), saved):
+                    t.copy_(s)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step_body(b, L, greedy)
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
+        return graph, logits
+
+    # ---- prefill, refill, compaction ------------------------------------------------------
+
+    def _prefill(self, slots: list[int], prompts: list[Sequence[int]], max_tokens: int = 16384) -> Tensor:
+        """Prefill `prompts` into `slots`; their next-token logits (n, V), in order."""
+        out = []
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        chunks, chunk, width = [], [], 0
+        for i in order:  # similar lengths together, at most ~max_tokens padded tokens a forward
+            w = max(width, len(prompts[i]))
+            if chunk and w * (len(chunk) + 1) > max_tokens:
+                chunks.append(chunk)
+                chunk, w = [], len(prompts[i])
+            chunk.append(i)
+            width = w
+        chunks.append(chunk)
+        logits = [None] * len(prompts)
+        for chunk in chunks:
+            T = max(len(prompts[i]) for i in chunk)
+            ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in chunk],
+                               dtype=torch.long, device=self.device)
+            lens = torch.tensor([len(prompts[i]) for i in chunk], device=self.device)
+            rows = torch.tensor([slots[i] for i in chunk], device=self.device)
+            view = PrefillView(self.cache, rows, T)
+            chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1).float()
+            for j, i in enumerate(chunk):
+                logits[i] = chunk_logits[j]
+        out = torch.stack(logits)
+        return out
+
+    def _start_rows(self, slots: list[int], prompts: list[Sequence[int]], budgets: list[int], sampling) -> None:
+        """Prefill prompts into slots and sample their first tokens."""
+        logits = self._prefill(slots, prompts)  # (n, V)
+        idx = torch.tensor(slots, device=self.device)
+        self.lens[idx] = torch.tensor([len(p) for p in prompts], device=self.device)
+        self.n_out[idx] = 0
+        self.budget[idx] = torch.tensor(budgets, device=self.device)
+        self.done[idx] = False
+        nxt = sample_next(logits, *sampling)  # (n,)
+        self.out[idx, 0] = nxt
+        self.n_out[idx] = 1
+        self.tokens[idx] = nxt
+        self.done[idx] = (self.budget[idx] <= 1) | self._is_stop(nxt)
+
+    def _compact(self, live: list[int], hi: int) -> None:
+        """Move the live slots (ascending) to slots 0 .. len(live) - 1."""
+        n = len(live)
+        src = torch.tensor(live, device=self.device)
+        for t in (self.tokens, self.lens, self.n_out, self.budget, self.done, self.out):
+            t[:n] = t[src]
+        self.done[n:] = True
+        self.cache.move_rows(0, src, min(hi, self.max_len))
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], *, temperature: float = 1.0,
+            top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
+            generator: torch.Generator | None = None) -> list[list[int]]:
+        """New tokens for each prompt: up to budgets[i] of them, ending at the first stop id.
+
+        Each prompt plus its budget must fit in max_len. Prompts beyond the slot count wait and
+        take the slots of rows that finish.
+        """
+        n_req = len(prompts)
+        for i, (p, g) in enumerate(zip(prompts, budgets)):
+            if len(p) + g > self.max_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + {g} new exceed the engine's max_len={self.max_len}")
+        outs: list[list[int]] = [[] for _ in range(n_req)]
+        queue = [i for i in range(n_req) if budgets[i] > 0]
+        if not queue:
+            return outs
+        sampling = (temperature, top_k, top_p, generator)
+        greedy = temperature == 0
+        stops = sorted(set(int(t) for t in stop_ids))
+        if len(stops) > self.stop_ids.numel():  # a bigger table: steps captured with the old one go
+            self.stop_ids = torch.full((len(stops),), -1, dtype=torch.long, device=self.device)
+            self._graphs.clear()
+        self.stop_ids.fill_(-1)
+        self.stop_ids[:len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
+        self.done.fill_(True)
+        buckets = batch_buckets(self.slots)
+        owner = [-1] * self.slots  # request index held by each slot
+        # The highest cache length among live rows is (offset + steps taken): an upper bound
+        # that sizes the attention window L without reading lengths back.
+        offset, step = 0, 0
+
+        def admit(free: list[int]) -> None:
+            nonlocal offset
+            take, queue[:] = queue[:len(free)], queue[len(free):]
+            if not take:
+                return
+            slots = free[:len(take)]
+            self._start_rows(slots, [prompts[r] for r in take], [budgets[r] for r in take], sampling)
+            for s, r in zip(slots, take):
+                owner[s] = r
+            offset = max(offset, max(len(prompts[r]) for r in take) - step)
+
+        admit(list(range(self.slots)))
+        b, check_at = self.slots, 0
+        while True:
+            if step >= check_at:  # one sync: harvest finished rows, refill, compact
+                done = self.done.tolist()
+                finished = [s for s in range(self.slots) if done[s] and owner[s] >= 0]
+                if finished:
+                    idx = torch.tensor(finished, device=self.device)
+                    counts = self.n_out[idx].tolist()
+                    rows = self.out[idx].tolist()
+                    for s, n, row in zip(finished, counts, rows):
+                        outs[owner[s]] = row[:n]
+                        owner[s] = -1
+                if queue:
+                    admit([s for s in range(self.slots) if owner[s] < 0])
+                live = [s for s in range(self.slots) if owner[s] >= 0]
+                if not live:
+                    break
+                b = next(x for x in buckets if x >= len(live))  # the step shrinks with the live rows
+                if live[-1] >= b:
+                    self._compact(live, offset + step + 1)
+                    owner[:] = [owner[s] for s in live] + [-1] * (self.slots - len(live))
+                check_at = step + self.check_every
+            hi = min(offset + step + 1, self.max_len)
+            L = min(self.max_len, -(-hi // self.len_bucket) * self.len_bucket)
+            logits = self._step(b, L, greedy)
+            if not greedy:
+                self._record(sample_next(logits, *sampling), b)
+            step += 1
+        return outs

@@ -1,0 +1,138 @@
+"""A static KV cache: preallocated buffers, fixed shapes, per-row lengths on the device.
+
+Each layer owns key and value buffers of shape (slots, num_heads, max_len, head_dim),
+allocated once. Row (slot) s holds its tokens at positions 0 .. lens[s] - 1 with no padding
+in front, so every row can be at its own length, and a finished row's slot can be handed to a
+new prompt without touching the others. Nothing about a step depends on host-side lengths:
+`lens` is a device tensor, the write of one new key per row is an indexed store, and
+attention runs over a fixed window of L slots with a length mask. That is what lets a decode
+step be captured once (CUDA graph, torch.compile) and replayed.
+
+The model sees the cache through the interface its attention already calls
+(`update(layer_idx, k, v) -> (k_all, v_all)`, `attention_mask(T, L, device=...)`,
+`positions(T, layer_idx=..., device=...)`), via two short-lived views. Each also offers
+`attend(q, k, v, mask)`, which the attention uses when a cache has it: torch's fused
+`F.scaled_dot_product_attention` (flash / memory-efficient kernels) in the cache's dtype,
+where the model's reference path computes in float32:
+
+- `PrefillView`: T prompt tokens of some slots, right-padded, at positions 0 .. T - 1; their
+  keys/values go to slots 0 .. T - 1 of those rows and attention is plainly causal (a real
+  token never sees the padding after it; what padding slots hold is masked later).
+- `DecodeView`: one token per row for the first b slots, at each row's own position `pos`;
+  attention covers slots 0 .. L - 1 with key j visible iff j <= pos.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from scratchlm.model.functional import causal_mask
+
+
+class StaticKVCache:
+    """Per-layer key/value buffers (slots, num_heads, max_len, head_dim), zero-filled on creation.
+
+    Buffers are allocated on the first write, in the dtype of the keys written (a bf16 model, or
+    autocast, gives a bf16 cache), unless `dtype` is given.
+    """
+
+    def __init__(self, num_layers: int, slots: int, num_heads: int, max_len: int, head_dim: int, *,
+                 device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+        self.num_layers = num_layers
+        self.slots = slots
+        self.num_heads = num_heads
+        self.max_len = max_len
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.k: list[Tensor | None] = [None] * num_layers
+        self.v: list[Tensor | None] = [None] * num_layers
+
+    @classmethod
+    def for_model(cls, model: nn.Module, slots: int, max_len: int, *, device: torch.device | str,
+                  dtype: torch.dtype | None = None) -> StaticKVCache:
+        """A cache sized for a TransformerLM (its layers, heads and head size)."""
+        attn = model.layers[0].attn
+        return cls(len(model.layers), slots, attn.num_heads, max_len, attn.head_dim, device=device, dtype=dtype)
+
+    def buffers(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's (k, v) buffers, allocated on first use with `like`'s dtype."""
+        if self.k[layer_idx] is None:
+            shape = (self.slots, self.num_heads, self.max_len, self.head_dim)
+            dtype = self.dtype if self.dtype is not None else like.dtype
+            self.k[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
+            self.v[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def move_rows(self, dst: int, src: Tensor, length: int) -> None:
+        """Copy rows `src` (n,) into slots dst .. dst + n - 1, first `length` positions only."""
+        n = src.numel()
+        for bufs in (self.k, self.v):
+            for buf in bufs:
+                if buf is not None:
+                    buf[dst:dst + n, :, :length] = buf[src, :, :length]
+
+
+class PrefillView:
+    """The cache as the model sees it while prefilling rows `rows` (n,) with T tokens each."""
+
+    def __init__(self, cache: StaticKVCache, rows: Tensor, T: int) -> None:
+        if T > cache.max_len:
+            raise ValueError(f"prompt of {T} tokens exceeds the cache's max_len={cache.max_len}")
+        self.cache, self.rows, self.T = cache, rows, T
+        self.seq_len, self.min_pad = 0, 0
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (n, H, T, d) at slots 0 .. T - 1 of the rows; attention needs only these."""
+        k_buf, v_buf = self.cache.buffers(layer_idx, k)
+        k_buf[self.rows, :, :self.T] = k.to(k_buf.dtype)
+        v_buf[self.rows, :, :self.T] = v.to(v_buf.dtype)
+        return k, v
+
+    def attention_mask(self, T: int, L: int, *, device=None) -> Tensor:
+        return causal_mask(T, L, device=device)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Causal attention of the prompt tokens, (n, H, T, d), by torch's fused kernel."""
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
+
+    def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
+        return torch.arange(T, device=device)
+
+
+class DecodeView:
+    """The cache as the model sees it for one decode step of the first b slots.
+
+    pos: (b,) int64, the slot (= position) each row's new token is written to. L: how many
+    slots attention reads; must exceed every live row's pos. mask: (b, 1, 1, L) bool, built
+    once per step and shared by all layers.
+    """
+
+    def __init__(self, cache: StaticKVCache, pos: Tensor, L: int) -> None:
+        self.cache, self.pos, self.L = cache, pos, L
+        b = pos.shape[0]
+        self.rows = torch.arange(b, device=pos.device)
+        self.mask = (torch.arange(L, device=pos.device) <= pos[:, None])[:, None, None, :]  # (b, 1, 1, L)
+        self.seq_len, self.min_pad = 0, 0
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (b, H, 1, d) at each row's pos; return the window (b, H, L, d) of each."""
+        k_buf, v_buf = self.cache.buffers(layer_idx, k)
+        b = self.pos.shape[0]
+        k_buf[self.rows, :, self.pos] = k[:, :, 0].to(k_buf.dtype)
+        v_buf[self.rows, :, self.pos] = v[:, :, 0].to(v_buf.dtype)
+        return k_buf[:b, :, :self.L], v_buf[:b, :, :self.L]
+
+    def attention_mask(self, T: int, L: int, *, device=None) -> Tensor:
+        return self.mask
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """q (b, H, 1, d) over the window k, v (b, H, L, d) by torch's fused kernel, in the cache's
+        dtype: the math path would first copy the whole window to float32, the bulk of a
+        batched step's memory traffic."""
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask).to(q.dtype)
+
+    def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
+        return self.pos[:, None]

@@ -1,0 +1,171 @@
+"""The decoding engine (static cache, refill, compaction) against the dynamic-cache reference."""
+
+import pytest
+import torch
+
+from scratchlm.infer.engine import DecodeEngine, batch_buckets
+from scratchlm.infer.generate import generate
+from scratchlm.model.transformer import TransformerLM
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = TransformerLM(vocab_size=50, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                      rope_theta=10_000.0, dtype=torch.float32)
+    with torch.no_grad():  # confident greedy paths: no argmax near-ties between equal computations
+        m.lm_head.weight.mul_(8)
+    return m.eval()
+
+
+def _prompts(n, seed=0, lo=1, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 50, (k,), generator=g).tolist() for k in lens]
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+
+
+def test_static_equals_dynamic_greedy_ragged(model):
+    prompts = _prompts(7)
+    static = generate(model, prompts, 20, temperature=0)
+    dynamic = generate(model, prompts, 20, temperature=0, kv_cache="dynamic")
+    assert static == dynamic
+    assert len({tuple(o) for o in static}) > 1
+
+
+def test_refill_and_compaction_keep_every_row_exact(model, monkeypatch):
+    # 11 prompts through 3 slots: finished rows' slots take waiting prompts, then the batch
+    # shrinks; with stop ids rows finish at different steps.
+    prompts = _prompts(11, seed=1)
+    free = generate(model, prompts, 25, temperature=0, kv_cache="dynamic")
+    stops = [free[0][2], free[3][5]]
+    expected = generate(model, prompts, 25, temperature=0, kv_cache="dynamic", eos_id=stops)
+    assert any(len(e) < 25 for e in expected) and any(len(e) == 25 for e in expected)
+    calls = {"refill": 0, "compact": 0}
+    start_rows, compact = DecodeEngine._start_rows, DecodeEngine._compact
+
+    def counting(name, fn):
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(DecodeEngine, "_start_rows", counting("refill", start_rows))
+    monkeypatch.setattr(DecodeEngine, "_compact", counting("compact", compact))
+    for max_batch in (1, 3, 4, 11):
+        assert generate(model, prompts, 25, temperature=0, eos_id=stops, max_batch=max_batch) == expected
+    assert calls["refill"] > 4 and calls["compact"] > 0  # both were exercised
+    for e in expected:
+        cut = [i for i, t in enumerate(e) if t in stops]
+        assert not cut or cut[0] == len(e) - 1  # ends at its first stop id
+
+
+def test_engine_run_directly_with_per_row_budgets(model):
+    prompts = _prompts(5, seed=2)
+    budgets = [0, 1, 7, 30, 12]
+    engine = DecodeEngine(model, 2, 64, check_every=3)
+    outs = engine.run(prompts, budgets, temperature=0)
+    assert [len(o) for o in outs] == budgets
+    for p, g, o in zip(prompts, budgets, outs):
+        if g:
+            assert o == generate(model, [p], g, temperature=0, kv_cache="dynamic")[0]
+    assert engine.run(prompts, budgets, temperature=0) == outs  # the engine is reusable
+    with pytest.raises(ValueError, match="max_len"):
+        engine.run([[1] * 40], [30])
+
+
+def test_sampling_seeded_and_rows_independent_of_slots(model):
+    prompts = _prompts(6, seed=3)
+    kw = dict(temperature=1.2, top_k=20, top_p=0.9, seed=5)
+    a = generate(model, prompts, 15, **kw)
+    assert a == generate(model, prompts, 15, **kw)
+    # no row finishes early, so the same draws happen in the same order as the reference loop
+    assert a == generate(model, prompts, 15, kv_cache="dynamic", **kw)
+    assert a != generate(model, prompts, 15, **{**kw, "seed": 6})
+    few = generate(model, prompts, 15, max_batch=2, **kw)  # other draws, same lengths and vocabulary
+    assert [len(x) for x in few] == [15] * 6 and all(0 <= t < 50 for row in few for t in row)
+
+
+def test_static_cache_with_bfloat16_autocast_runs(model):
+    prompts = _prompts(3, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, prompts, 6, temperature=0)
+    assert [len(o) for o in out] == [6, 6, 6]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_engine_matches_dynamic(compile):
+    torch.manual_seed(0)
+    m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=3, num_heads=4, d_ff=384,
+                      rope_theta=10_000.0, device="cuda")
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    prompts = [list(range(1, 40)), [5], list(range(100, 117)), list(range(7, 290))] * 3
+    expected = generate(m, prompts, 300, temperature=0, kv_cache="dynamic", eos_id=[17, 99])
+    assert generate(m, prompts, 300, temperature=0, eos_id=[17, 99], compile=compile, max_batch=5) == expected
+    sampled = generate(m, prompts, 40, temperature=1.0, top_p=0.9, seed=1, compile=compile)
+    assert sampled == generate(m, prompts, 40, temperature=1.0, top_p=0.9, seed=1, compile=compile)
+
+
+class _CharTokenizer:
+    """Just what HFPolicy uses of a tokenizer: one id per character (ids 1..), eos 0."""
+
+    eos_token_id = pad_token_id = 0
+    eos_token = "<eos>"
+    padding_side = "left"
+
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 40 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("|" if i == 0 else chr(ord("a") + i % 26) for i in ids)
+
+
+def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.align.policy import HFPolicy
+
+    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8)
+    prompts = ["hello there", "x", "a longer prompt of text"]
+    engine = HFPolicy(hf, _CharTokenizer())
+    reference = HFPolicy(hf, _CharTokenizer(), use_engine=False)
+    ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert engine._twin not in (None, False)  # the engine path was taken
+    theirs = reference.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert len({tuple(c.token_ids) for c in ours}) > 1
+    with torch.no_grad():  # a training step changes the weights: the twin follows
+        hf.lm_head.weight.mul_(-1)
+    assert [c.token_ids for c in engine.generate(prompts, max_new_tokens=12, temperature=0.0)] == \
+        [c.token_ids for c in reference.generate(prompts, max_new_tokens=12, temperature=0.0)]
+
+
+def test_engine_is_kept_per_model_and_released(model):
+    from scratchlm.infer import generate as gen
+
+    generate(model, [[1, 2, 3]], 4, temperature=0)
+    engine = gen._ENGINES[model][1]
+    generate(model, [[4, 5]], 4, temperature=0)
+    assert gen._ENGINES[model][1] is engine  # same shape: reused
+    gen.release_engines(model)
+    assert model not in gen._ENGINES
