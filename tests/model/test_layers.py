@@ -38,6 +38,27 @@ def test_embedding_lookup_and_init():
     assert emb.weight.std().item() == pytest.approx(0.986, rel=0.03)
 
 
+def test_embedding_gradient_is_reproducible():
+    # Repeated ids (the common case: frequent tokens) must sum their gradients in the same order
+    # every time, without torch.use_deterministic_algorithms, so same-seed CPU runs agree bitwise.
+    torch.manual_seed(0)
+    emb = Embedding(10_000, 128)
+    ids = torch.randint(0, 10_000, (16, 128))
+    ids[:, :64] = ids[0, 0]
+    upstream = torch.randn(16, 128, 128)
+
+    def grad():
+        emb.weight.grad = None
+        emb(ids).backward(upstream)
+        return emb.weight.grad.clone()
+
+    first = grad()
+    assert all(torch.equal(first, grad()) for _ in range(10))
+    expected = torch.zeros(10_000, 128, dtype=torch.float64).index_add_(0, ids.reshape(-1),
+                                                                         upstream.reshape(-1, 128).double())
+    torch.testing.assert_close(first.double(), expected, rtol=1e-5, atol=1e-4)
+
+
 def _torch_rmsnorm(x, weight, eps):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

@@ -135,7 +135,10 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: Tensor) -> Tensor:
-        return self.weight[token_ids]
+        # The same rows as self.weight[token_ids], but a lookup whose backward sums the gradients
+        # of repeated ids in a fixed order: indexing's backward (index_put with accumulate) adds
+        # them in parallel on CPU, so two runs of the same seed would drift apart.
+        return torch.nn.functional.embedding(token_ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
