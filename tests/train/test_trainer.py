@@ -125,7 +125,7 @@ def test_resume_with_a_partial_log_window(cfg, tmp_path):
 
 def test_a_crash_in_evaluation_keeps_the_checkpoint_and_resume_redoes_the_eval(cfg, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    real = trainer_mod.evaluate
+    real = trainer_mod.evaluation_totals
     calls = {"n": 0}
 
     def failing_eval(model, batches):
@@ -134,11 +134,11 @@ def test_a_crash_in_evaluation_keeps_the_checkpoint_and_resume_redoes_the_eval(c
             raise RuntimeError("eval OOM")
         return real(model, batches)
 
-    monkeypatch.setattr(trainer_mod, "evaluate", failing_eval)
+    monkeypatch.setattr(trainer_mod, "evaluation_totals", failing_eval)
     with pytest.raises(RuntimeError, match="eval OOM"):
         run_training(cfg)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000008"
-    monkeypatch.setattr(trainer_mod, "evaluate", real)
+    monkeypatch.setattr(trainer_mod, "evaluation_totals", real)
     run_training(cfg, resume=True)
     assert [s for s, _ in _losses(run, "eval", "val_loss")] == [0, 4, 8, 12]
 
@@ -458,3 +458,16 @@ def test_the_trainer_always_holds_a_strategy(cfg, tmp_path):
     mine = init_strategy(cfg.parallel, device="cpu")
     assert trainer_mod.Trainer(cfg, tmp_path / "b", strategy=mine).strategy is mine
     assert trainer_mod.Trainer(cfg, tmp_path / "c", engine=mine).engine is mine  # the older keyword
+
+
+def test_validation_loss_does_not_depend_on_the_micro_batch(cfg, tmp_path):
+    # Same seed, same weights: 1 micro-batch of 4 or 4 micro-batches of 1 score the same windows.
+    losses = []
+    for accum in (1, 4):
+        c = replace(cfg, trainer=replace(cfg.trainer, grad_accum_steps=accum, out_dir=str(tmp_path / f"a{accum}")))
+        trainer = trainer_mod.Trainer(c, c.trainer.out_dir)
+        try:
+            losses.append(trainer._evaluate()["val_loss"])
+        finally:
+            trainer.logger.close()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)

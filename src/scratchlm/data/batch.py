@@ -139,17 +139,20 @@ class BatchSampler:
 
 
 def iterate_eval_batches(tokens: np.ndarray, batch_size: int, context_length: int,
-                         max_batches: int | None = None, *, device: str | torch.device = "cpu"
-                         ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                         max_batches: int | None = None, *, max_windows: int | None = None,
+                         device: str | torch.device = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Sequential, non-overlapping windows from the start of ``tokens``, ``batch_size`` at a time.
 
     Window i covers x = tokens[i*T : (i+1)*T], y one further; there are (len - 1) // T of them.
-    The last batch may be smaller. ``max_batches`` stops early (None = all windows).
+    The last batch may be smaller. ``max_batches`` or ``max_windows`` stops early (None = all
+    windows); ``max_windows`` fixes the set of windows whatever the batch size.
     """
     _check_window(tokens, batch_size, context_length)
     num_windows = (len(tokens) - 1) // context_length
     if max_batches is not None:
         num_windows = min(num_windows, max_batches * batch_size)
+    if max_windows is not None:
+        num_windows = min(num_windows, max_windows)
     for first in range(0, num_windows, batch_size):
         count = min(batch_size, num_windows - first)
         starts = (first + np.arange(count)) * context_length

@@ -21,7 +21,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
     max_steps: int = 5000  # optimizer steps
     eval_interval: int = 500  # steps between validation passes; 0 = only at the end
-    eval_batches: int = 20  # batches per validation pass
+    eval_batches: int = 20  # validation windows: the first eval_batches x batch_size (global), every pass
     eval_at_start: bool = True  # also evaluate before the first step (the baseline loss)
     log_interval: int = 10  # steps between console/metrics lines (train loss is averaged over them)
     checkpoint_interval: int = 1000  # steps between checkpoints; 0 = only at the end

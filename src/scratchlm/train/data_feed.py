@@ -72,12 +72,13 @@ class TrainData:
         """This rank's (x, y) of the next training micro-batch, each (B, T) int64."""
         return self.sampler.next_batch(device)
 
-    def eval_batches(self, num_batches: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The first `num_batches` validation batches (the same every call); ranks take turns."""
+    def eval_batches(self, num_windows: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the first `num_windows` validation windows (the same every call,
+        whatever the micro-batch size or number of ranks), a micro-batch at a time."""
         from scratchlm.data.batch import iterate_eval_batches
 
-        batches = iterate_eval_batches(self.val_tokens, self.batch_size, self.context_length, num_batches,
-                                       device=device)
+        batches = iterate_eval_batches(self.val_tokens, self.batch_size, self.context_length,
+                                       max_windows=num_windows, device=device)
         for i, batch in enumerate(batches):
             if i % self.world_size == self.rank:
                 yield batch
@@ -90,14 +91,21 @@ class TrainData:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean cross-entropy per token of `model` over `batches` (weighted by their sizes)."""
+def evaluation_totals(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[float, int]:
+    """(sum of per-token cross-entropies, number of tokens) of `model` over `batches`."""
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for x, y in batches:
         loss = cross_entropy(model(x), y)
         total += loss.double().cpu() * y.numel()
         count += y.numel()
+    return float(total), count
+
+
+def evaluate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy per token of `model` over `batches` (weighted by their sizes)."""
+    total, count = evaluation_totals(model, batches)
     if count == 0:
         raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
-    return float(total / count)
+    return total / count

@@ -58,7 +58,7 @@ from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
 from scratchlm.train.config import TrainConfig
-from scratchlm.train.data_feed import TrainData, evaluate
+from scratchlm.train.data_feed import TrainData, evaluation_totals
 from scratchlm.train.metrics import (
     MetricsLogger, NullLogger, Throughput, format_line, memory_gb, open_loggers, peak_flops, perplexity,
     read_metrics, train_flops_per_token, truncate_metrics,
@@ -278,11 +278,17 @@ class Trainer:
         model = self.raw_model if eager else self.model
         model.eval()
         try:
+            # A fixed set of windows (eval_batches global batches), so the loss does not depend on
+            # the micro-batch size or the number of ranks; ranks add up their token sums.
+            windows = self.cfg.trainer.eval_batches * self.cfg.trainer.batch_size
             with self._autocast():
-                loss = evaluate(model, self.data.eval_batches(self.cfg.trainer.eval_batches, self.device))
+                total, count = evaluation_totals(model, self.data.eval_batches(windows, self.device))
         finally:
             model.train()
-        loss = self.strategy.all_reduce_mean(loss)
+        total, count = self.strategy.all_reduce_means([total, float(count)])
+        if count == 0:
+            raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
+        loss = total / count
         record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
         self._emit(record)
         if self.is_main and time.monotonic() - self._last_plot > PLOT_EVERY_S:
