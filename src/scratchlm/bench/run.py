@@ -14,6 +14,8 @@ H200 used for docs/benchmarks (753 TFLOP/s).
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from scratchlm.bench.harness import H200_BF16_MEASURED_MATMUL, BenchmarkResult, benchmark, timing_device
 from scratchlm.bench.profile import add_layer_nvtx_ranges, memory_snapshot, nvtx_range, profile_table
+from scratchlm.bench.progress import reported
 from scratchlm.device import peak_flops
 from scratchlm.dtypes import torch_dtype
 from scratchlm.errors import UserError
@@ -39,6 +42,7 @@ SIZES: dict[str, dict[str, int]] = {
     "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
 }
+log = logging.getLogger(__name__)
 MODES = ("forward", "forward_backward", "train_step")
 PRECISIONS = ("fp32", "bf16_autocast", "bf16")
 
@@ -120,9 +124,11 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     modes = MODES if options.mode == "all" else (options.mode,)
     flops_token = model_flops_per_token(model, T)
     results = _describe(cfg, model, options, device, precision, flops_token)
+    _warn_if_gpu_sized(results, device)
     for mode in modes:
         try:
-            stats = benchmark(fns[mode], warmup=options.warmup, steps=options.steps, device=device)
+            with reported(f"bench {mode}", options.warmup + options.steps) as counter:
+                stats = benchmark(counter.wrap(fns[mode]), warmup=options.warmup, steps=options.steps, device=device)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise UserError(_out_of_memory_message(model, mode, B, T, device)) from None
@@ -134,6 +140,15 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     if options.profile:
         results["profile"] = profile_table(fns[modes[-1]], steps=2)
     return results
+
+
+CPU_PARAMS_LIMIT = 20_000_000  # above this a CPU step takes seconds: the shape is meant for a GPU
+
+
+def _warn_if_gpu_sized(results: dict[str, Any], device: torch.device) -> None:
+    if device.type == "cpu" and results["params"] > CPU_PARAMS_LIMIT:
+        log.warning("note: %.0fM parameters on the CPU: this size is meant for a GPU, each step takes "
+                    "seconds to minutes (try --size tiny)", results["params"] / 1e6)
 
 
 def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
