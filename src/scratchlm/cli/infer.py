@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 disables (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step before its CUDA graph is captured (GPU; slower start)")
     p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     p.add_argument("--dtype", type=_dtype_arg, default="auto",
                    help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
@@ -110,6 +112,7 @@ def generate_command(argv: list[str]) -> int:
         eos_id=eos_id,
         use_kv_cache=not args.no_kv_cache,
         seed=args.seed,
+        compile=args.compile,
     )
     seconds = time.perf_counter() - start
     total = sum(len(o) for o in outs)
