@@ -9,13 +9,11 @@ from scratchlm.align.prompts import get_template
 from scratchlm.align.task import ArithmeticTask
 
 
+
+
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread than on a contended pool; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _tiny_models_one_thread(one_thread):
+    """Every post-training test runs tiny models (see tests/conftest.py's one_thread)."""
 
 
 @pytest.fixture(scope="session")

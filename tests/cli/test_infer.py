@@ -12,12 +12,7 @@ checkpoint = pytest.importorskip("scratchlm.train.checkpoint")
 tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -7,12 +7,7 @@ from scratchlm.model.transformer import TransformerLM
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

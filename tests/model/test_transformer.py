@@ -7,13 +7,7 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.functional import cross_entropy
 from scratchlm.model.transformer import TransformerBlock, TransformerLM, build_model
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls on a loaded machine run far slower with several intra-op threads.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = dict(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64, rope_theta=10_000.0)

@@ -10,7 +10,8 @@ import pytest
 
 from scratchlm.errors import UserError
 from scratchlm.cli.train import run_training
-from tests.train.test_resume import VOCAB, make_cfg, train_steps, write_tokens
+from tests.train.small_runs import VOCAB, make_cfg, write_tokens
+from tests.train.test_resume import train_steps
 
 
 @pytest.fixture
