@@ -57,6 +57,26 @@ def _timed(fn, repeats: int):
     return statistics.median(times), out
 
 
+def _time_peers(impls: dict, repeats: int, skip, count_tokens, label: str) -> dict:
+    """{name: (median seconds, output)} of each peer not in `skip`; a peer that fails is reported
+    and left out, the others still run."""
+    results = {}
+    for name, fn in impls.items():
+        if name in skip:
+            continue
+        t0 = time.perf_counter()
+        try:
+            seconds, out = _timed(fn, repeats)
+        except Exception as e:
+            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        results[name] = (seconds, out)
+        tokens = count_tokens(out)
+        print(f"{name}{label}: {tokens / seconds:.0f} tokens/s, {tokens} tokens "
+              f"({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
+    return results
+
+
 def copy_bandwidth() -> float:
     """Device memory bandwidth in bytes/s: a 4 GiB device-to-device copy (read + write)."""
     src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
@@ -197,17 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
         "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
     }
-    results = {}
-    for name, fn in impls.items():
-        if name in args.skip:
-            continue
-        t0 = time.perf_counter()
-        try:
-            results[name] = _timed(fn, args.repeats)
-        except Exception as e:  # a peer that fails is reported, the others still run
-            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
-            continue
-        print(f"{name}: {n / results[name][0]:.0f} tokens/s ({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
+    results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")
     static = results.get("hf_generate_static_compile")
     for name, (seconds, out) in results.items():
@@ -235,19 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             "scratchlm_engine_graphs_compile": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids,
                                                                 seed=0, compile=True),
         }
-        results = {}
-        for name, fn in impls.items():
-            if name in args.skip:
-                continue
-            t0 = time.perf_counter()
-            try:
-                seconds, out = _timed(fn, args.rollout_repeats)
-            except Exception as e:
-                print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
-                continue
-            results[name] = (seconds, sum(len(o) for o in out))
-            print(f"{name} rollouts x{B}: {results[name][1] / seconds:.0f} tokens/s, {results[name][1]} tokens "
-                  f"({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
+        timed = _time_peers(impls, args.rollout_repeats, args.skip, lambda out: sum(len(o) for o in out),
+                            f" rollouts x{B}")
+        results = {name: (seconds, sum(len(o) for o in out)) for name, (seconds, out) in timed.items()}
         ref = results.get("hf_generate_dynamic")
         for name, (seconds, count) in results.items():
             rows.append({
