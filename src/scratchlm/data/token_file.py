@@ -87,28 +87,28 @@ def open_checked(path: str | os.PathLike, *, vocab_size: int, context_length: in
     path = Path(path)
     if path.is_file() and path.suffix.lower() in _TEXT_SUFFIXES:
         raise UserError(f"{what} {path} is a text file, not a token file; {ENCODE_HINT}")
-    if path.is_file() and read_sidecar(path) is None:
+    meta = read_sidecar(path) if path.is_file() else {}
+    if meta is None:
         if _looks_like_text(path):
             raise UserError(f"{what} {path} is a text file, not a token file; {ENCODE_HINT}")
         raise UserError(f"{what} {path} has no sidecar {sidecar_path(path).name} (dtype, vocab_size, tokenizer "
                         f"hash), so it cannot be checked against the model; {ENCODE_HINT}")
     tokens = open_tokens(path, context_length=context_length)
-    meta = read_sidecar(path) or {}
     vocab = meta.get("vocab_size")
     if vocab is not None and int(vocab) > vocab_size:
         raise UserError(f"{what} {path} was encoded with a vocabulary of {vocab} tokens, larger than "
                         f"model.vocab_size={vocab_size}; set model.vocab_size={vocab} or encode the data "
                         f"with a tokenizer of at most {vocab_size} tokens")
-    largest = max_token_id(tokens)
-    if largest >= vocab_size:
-        raise UserError(f"{what} {path} holds token id {largest}, beyond model.vocab_size={vocab_size} "
-                        f"(ids must be < {vocab_size}); the file or its sidecar is wrong: {ENCODE_HINT}")
     recorded = meta.get("tokenizer_hash")
     if tokenizer_hash and recorded and recorded != tokenizer_hash:
         where = f" ({tokenizer_dir})" if tokenizer_dir else ""
         raise UserError(f"{what} {path} was encoded with another tokenizer (hash {recorded[:12]}) than this "
                         f"run's{where} (hash {tokenizer_hash[:12]}); encode the text again with the run's "
                         f"tokenizer, or set data.tokenizer_dir to the one the data was encoded with")
+    largest = max_token_id(tokens)  # the one pass over the whole file, after the cheap checks
+    if largest >= vocab_size:
+        raise UserError(f"{what} {path} holds token id {largest}, beyond model.vocab_size={vocab_size} "
+                        f"(ids must be < {vocab_size}); the file or its sidecar is wrong: {ENCODE_HINT}")
     return tokens
 
 

@@ -15,16 +15,17 @@ from scratchlm.model.config import ModelConfig
 from scratchlm.model.functional import cross_entropy
 
 
-def open_checked(path: str, model_cfg: ModelConfig, what: str, *, tokenizer_dir: str = ""):
-    """A token file as a memmap, checked against the model (and the run's tokenizer, if named).
+def open_checked(path: str, model_cfg: ModelConfig, what: str, *, tokenizer_dir: str = "",
+                 tokenizer_hash: str | None = None):
+    """A token file as a memmap, checked against the model (and the run's tokenizer, if named:
+    its hash, `tokenizer_hash(tokenizer_dir)`, computed once by the caller).
 
     See `scratchlm.data.token_file.open_checked` for what is refused.
     """
     from scratchlm.data.token_file import open_checked as open_token_file
 
     return open_token_file(path, vocab_size=model_cfg.vocab_size, context_length=model_cfg.context_length,
-                           tokenizer_hash=tokenizer_hash(tokenizer_dir), tokenizer_dir=tokenizer_dir or None,
-                           what=what)
+                           tokenizer_hash=tokenizer_hash, tokenizer_dir=tokenizer_dir or None, what=what)
 
 
 def tokenizer_hash(tokenizer_dir: str) -> str | None:
@@ -57,9 +58,9 @@ class TrainData:
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         # Checked before the run writes anything: bad data fails here, not at the first step.
-        tok = data_cfg.tokenizer_dir
-        self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path", tokenizer_dir=tok)
-        self.val_tokens = (open_checked(data_cfg.val_path, model_cfg, "data.val_path", tokenizer_dir=tok)
+        tok = {"tokenizer_dir": data_cfg.tokenizer_dir, "tokenizer_hash": tokenizer_hash(data_cfg.tokenizer_dir)}
+        self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path", **tok)
+        self.val_tokens = (open_checked(data_cfg.val_path, model_cfg, "data.val_path", **tok)
                            if data_cfg.val_path else None)
         self.sampler = BatchSampler(self.train_tokens, batch_size, self.context_length,
                                     seed=seed, rank=rank, world_size=world_size)
