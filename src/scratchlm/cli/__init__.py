@@ -109,39 +109,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = _resolve(name)(rest)
-    except Exception:
+    except Exception as exc:
         if debug:
             raise
-        return _report(name)
+        return _report(name, exc)
     except KeyboardInterrupt:
         print(f"scratchlm {name}: interrupted", file=sys.stderr)
         return 130
     return int(result or 0)
 
 
-def _report(name: str) -> int:
-    """Print the exception being handled as one line on stderr; return the exit code."""
-    exc = sys.exc_info()[1]
-    try:
-        raise exc
-    except UserError as exc:
-        print(f"scratchlm {name}: error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"scratchlm {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
+def _report(name: str, exc: Exception) -> int:
+    """Print `exc` as one line on stderr; return the exit code."""
+    if isinstance(exc, BrokenPipeError):
         # `scratchlm ... | head` closed the pipe: stop quietly, as Unix tools do.
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except Exception as exc:
-        print(f"scratchlm {name}: error: {_one_line(exc)} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        return 1
-
+    if isinstance(exc, UserError):
+        message, code = str(exc), 2
+    elif isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        message, code = f"{exc.strerror or exc}{where}", 2
+    else:
+        message, code = f"{_one_line(exc)} (rerun with --debug for the traceback)", 1
+    print(f"scratchlm {name}: error: {message}", file=sys.stderr)
+    return code
 
 if __name__ == "__main__":
     raise SystemExit(main())
