@@ -1,5 +1,17 @@
-"""Benchmark harness, model benchmarks (`run_bench`, behind `scratchlm bench`), profiling and memory tools."""
+"""Benchmark harness, model benchmarks (`run_bench`, behind `scratchlm bench`), profiling and memory tools.
 
-from scratchlm.bench.harness import BenchmarkResult, benchmark
+Names are resolved lazily: `scratchlm.bench.results` (JSON and metrics files) imports without torch.
+"""
 
-__all__ = ["BenchmarkResult", "benchmark"]
+from __future__ import annotations
+
+from scratchlm.lazy_exports import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "BenchmarkResult": "scratchlm.bench.harness",
+    "benchmark": "scratchlm.bench.harness",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

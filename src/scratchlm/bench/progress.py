@@ -1,6 +1,6 @@
 """Progress of a long, silent loop (a benchmark's steps), reported from a background thread.
 
-The loop only bumps a counter (`tick()`, an integer add: nothing that would perturb a timed
+The loop only bumps a counter (`StepCounter.wrap`, an integer add: nothing that would perturb a timed
 step); a thread reports it on stderr: a tqdm bar on a terminal, and in a log or a pipe one line
 every `every_s` seconds, so a CPU run of a GPU-sized model is never silent for minutes.
 """
@@ -20,9 +20,6 @@ class StepCounter:
 
     def __init__(self) -> None:
         self.count = 0
-
-    def tick(self) -> None:
-        self.count += 1
 
     def wrap(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def counted() -> Any:
