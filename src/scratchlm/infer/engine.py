@@ -156,16 +156,13 @@ class DecodeEngine:
 
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], max_tokens: int = 16384) -> Tensor:
         """Prefill `prompts` into `slots`; their next-token logits (n, V), in order."""
-        out = []
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        chunks, chunk, width = [], [], 0
+        chunks, chunk = [], []
         for i in order:  # similar lengths together, at most ~max_tokens padded tokens a forward
-            w = max(width, len(prompts[i]))
-            if chunk and w * (len(chunk) + 1) > max_tokens:
+            if chunk and len(prompts[i]) * (len(chunk) + 1) > max_tokens:  # sorted: the longest yet
                 chunks.append(chunk)
-                chunk, w = [], len(prompts[i])
+                chunk = []
             chunk.append(i)
-            width = w
         chunks.append(chunk)
         logits = [None] * len(prompts)
         for chunk in chunks:
@@ -178,17 +175,14 @@ class DecodeEngine:
             chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1).float()
             for j, i in enumerate(chunk):
                 logits[i] = chunk_logits[j]
-        out = torch.stack(logits)
-        return out
+        return torch.stack(logits)
 
     def _start_rows(self, slots: list[int], prompts: list[Sequence[int]], budgets: list[int], sampling) -> None:
         """Prefill prompts into slots and sample their first tokens."""
         logits = self._prefill(slots, prompts)  # (n, V)
         idx = torch.tensor(slots, device=self.device)
         self.lens[idx] = torch.tensor([len(p) for p in prompts], device=self.device)
-        self.n_out[idx] = 0
         self.budget[idx] = torch.tensor(budgets, device=self.device)
-        self.done[idx] = False
         nxt = sample_next(logits, *sampling)  # (n,)
         self.out[idx, 0] = nxt
         self.n_out[idx] = 1

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scratchlm.model.functional import causal_mask
 
 
 class StaticKVCache:
@@ -91,10 +90,10 @@ class PrefillView:
         v_buf[self.rows, :, :self.T] = v.to(v_buf.dtype)
         return k, v
 
-    def attention_mask(self, T: int, L: int, *, device=None) -> Tensor:
-        return causal_mask(T, L, device=device)
+    def attention_mask(self, T: int, L: int, *, device=None) -> None:
+        return None  # `attend` is causal by itself: no (T, T) mask to build in every layer
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: None) -> Tensor:
         """Causal attention of the prompt tokens, (n, H, T, d), by torch's fused kernel."""
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
 
