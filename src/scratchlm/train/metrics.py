@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 
-from scratchlm.device import peak_flops  # noqa: F401  (the trainer's MFU denominator)
 
 
 def train_flops_per_token(model_cfg: Any, seq_len: int | None = None) -> float:

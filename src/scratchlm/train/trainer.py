@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from scratchlm.config import config_to_dict, config_to_toml
-from scratchlm.device import resolve_device
+from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
 from scratchlm.optim import learning_rate
@@ -60,7 +60,7 @@ from scratchlm.train import checkpoint as ckpt
 from scratchlm.train.config import TrainConfig
 from scratchlm.train.data_feed import TrainData, evaluation_totals
 from scratchlm.train.metrics import (
-    MetricsLogger, NullLogger, Throughput, format_line, memory_gb, open_loggers, peak_flops, perplexity,
+    MetricsLogger, NullLogger, Throughput, format_line, memory_gb, open_loggers, perplexity,
     read_metrics, train_flops_per_token, truncate_metrics,
 )
 from scratchlm.train.run_dir import copy_tokenizer, environment_info
@@ -69,7 +69,7 @@ log = logging.getLogger("scratchlm.train")
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "resolve_device", "seed_everything"]
+__all__ = ["Trainer", "seed_everything"]
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
