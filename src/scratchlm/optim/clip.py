@@ -11,6 +11,7 @@ with more ranks only the per-tensor sums of squares are split.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -38,11 +39,17 @@ def global_grad_norm(grads: Sequence[torch.Tensor], *, sharded: Sequence[bool] |
     if sharded is not None and any(sharded):
         import torch.distributed as dist
 
-        mask = torch.tensor(list(sharded), device=norms.device)
+        mask = _shard_mask(tuple(sharded), norms.device)
         squares = torch.where(mask, norms * norms, torch.zeros_like(norms))
         dist.all_reduce(squares, group=group)
         norms = torch.where(mask, squares.sqrt(), norms)
     return torch.linalg.vector_norm(norms)
+
+
+@functools.lru_cache(maxsize=8)
+def _shard_mask(sharded: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    # Built once per layout: a host-to-device copy every step would wait for the GPU.
+    return torch.tensor(sharded, device=device)
 
 
 def scale_grads_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_l2_norm: float, eps: float = 1e-6) -> None:
