@@ -360,7 +360,7 @@ class Tokenizer:
             at = np.flatnonzero(ranks >= 0)
             # The bulk merger numbers the distinct pairs 0, 1, ...; the heap keeps self._ranks'
             # numbers (merge indices), which skip a merge listed twice.
-            ranks = np.fromiter(self._ranks.values(), np.int64, len(self._ranks))[ranks[at]]
+            ranks = self._merge_index[ranks[at]]
             heap = np.sort(ranks * n + at).tolist()  # sorted, so already a heap
         return self._heap_merge(parts, heap)
 
@@ -429,6 +429,8 @@ class Tokenizer:
             byte_ids = [ord(self._byte_chars[b]) for b in range(256)]
             exact = BulkMerger.exact_for(pairs, merged)
             self._bulk = BulkMerger(pairs, merged, byte_ids) if exact else False
+            # the merge index of each distinct pair, in the bulk merger's numbering
+            self._merge_index = np.fromiter(self._ranks.values(), np.int64, len(self._ranks))
         return self._bulk or None
 
     def _tokens_of(self, texts: list[str]) -> list[str]:
