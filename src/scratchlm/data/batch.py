@@ -25,8 +25,11 @@ from scratchlm.data.token_file import DTYPES, read_sidecar
 from scratchlm.errors import UserError
 
 
-def open_tokens(path: str | os.PathLike, *, context_length: int | None = None) -> np.memmap:
+def open_tokens(path: str | os.PathLike, *, context_length: int | None = None,
+                meta: dict | None = None) -> np.memmap:
     """Memory-map a token file, with the dtype named in its ``.json`` sidecar (``uint16`` without one).
+
+    ``meta`` is the sidecar when the caller has read it already (``token_file.read_sidecar``).
 
     Raises ``UserError`` when the file is missing or empty, its size is not a whole number of
     tokens, it disagrees with its sidecar (an incomplete write), or it holds no more than
@@ -36,7 +39,7 @@ def open_tokens(path: str | os.PathLike, *, context_length: int | None = None) -
     if not path.is_file():
         raise UserError(f"token file not found: {path}" if not path.is_dir()
                         else f"token file is a directory: {path}")
-    meta = read_sidecar(path) or {}
+    meta = (read_sidecar(path) if meta is None else meta) or {}
     dtype = DTYPES[meta.get("dtype", "uint16")]
     expected = meta.get("num_tokens")
     size = path.stat().st_size

@@ -93,7 +93,7 @@ def open_checked(path: str | os.PathLike, *, vocab_size: int, context_length: in
             raise UserError(f"{what} {path} is a text file, not a token file; {ENCODE_HINT}")
         raise UserError(f"{what} {path} has no sidecar {sidecar_path(path).name} (dtype, vocab_size, tokenizer "
                         f"hash), so it cannot be checked against the model; {ENCODE_HINT}")
-    tokens = open_tokens(path, context_length=context_length)
+    tokens = open_tokens(path, context_length=context_length, meta=meta)
     vocab = meta.get("vocab_size")
     if vocab is not None and int(vocab) > vocab_size:
         raise UserError(f"{what} {path} was encoded with a vocabulary of {vocab} tokens, larger than "
