@@ -166,7 +166,8 @@ class MultiHeadSelfAttention(nn.Module):
             reason = f"{x.device.type} tensors"
         else:
             return backend
-        if not torch.compiler.is_compiling():
+        # A cache that brings its own kernel (`attend`) runs that kernel: nothing falls back to warn of.
+        if not torch.compiler.is_compiling() and not hasattr(kv_cache, "attend"):
             warn_fallback(backend.name, reason)
         return self._fallback
 
