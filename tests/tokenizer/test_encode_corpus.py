@@ -222,7 +222,7 @@ def test_a_dead_worker_keeps_the_parts_and_a_rerun_resumes(tokenizer, tmp_path, 
     src = tmp_path / "c.txt"
     src.write_text(text, encoding="utf-8")
     out = tmp_path / "c.bin"
-    monkeypatch.setattr(ec, "_pool_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(ec, "pool_context", lambda: multiprocessing.get_context("fork"))
     with monkeypatch.context() as m:
         m.setattr(ec, "_encode_chunk", _die_on_chunk_5)
         with pytest.raises(UserError, match="worker died.*running the same command again resumes"):
@@ -238,7 +238,7 @@ def test_spawned_workers_reload_the_tokenizer_from_its_directory(tokenizer, toke
     # the start method used when the caller runs threads; fork is taken otherwise on Linux
     import multiprocessing
 
-    monkeypatch.setattr(ec, "_pool_context", lambda: multiprocessing.get_context("spawn"))
+    monkeypatch.setattr(ec, "pool_context", lambda: multiprocessing.get_context("spawn"))
     text = random_text(5, 6_000, eot_every=25)
     src = tmp_path / "c.txt"
     src.write_text(text, encoding="utf-8")

@@ -41,8 +41,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import as_completed
@@ -57,7 +55,7 @@ import regex
 
 from scratchlm.data.token_file import sidecar_path, token_dtype
 from scratchlm.errors import UserError
-from scratchlm.tokenizer.worker_pool import worker_pool
+from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
 _SCAN_BLOCK = 1 << 20  # bytes read at a time while looking for a safe cut
@@ -205,7 +203,7 @@ def _encode_parts(plan: _Plan, state: dict[str, Any], files: _OutputFiles, token
     separator_id = _special_id(tokenizer, separator) if separator is not None else None
 
     workers = min(workers, max(1, len(jobs)))
-    context = _pool_context()  # before the progress bar, whose monitor thread rules out fork
+    context = pool_context()  # before the progress bar, whose monitor thread rules out fork
     bar = _progress_bar(plan.source_bytes, plan.source_bytes - encoded, progress, files.out.name)
     try:
         finished = _run_jobs(jobs, plan.source, str(files.parts_dir), plan.errors, dtype.str, separator_id,
@@ -473,14 +471,6 @@ def _run_jobs(jobs: list[tuple[int, int, int]], source: str, parts_dir: str, err
         finally:
             for future in futures:
                 future.cancel()
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    # fork starts workers in milliseconds and shares the loaded tokenizer, but copying a
-    # process that runs other threads (torch, tqdm) can leave a lock held in the child.
-    if sys.platform == "linux" and threading.active_count() == 1:
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("spawn")
 
 
 # ---------------------------------------------------------------------------------------------

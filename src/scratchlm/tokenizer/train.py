@@ -30,10 +30,7 @@ extensions, as the reversal of "prefix sorts first" requires).
 from __future__ import annotations
 
 import heapq
-import multiprocessing
 import os
-import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -41,7 +38,7 @@ from pathlib import Path
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.pretokenize import count_pretokens_in_range, find_chunk_boundaries
-from scratchlm.tokenizer.worker_pool import worker_pool
+from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
 
 # Below this size the worker pool costs more than it saves.
 SMALL_CORPUS_BYTES = 4 << 20
@@ -124,13 +121,6 @@ def train_bpe(
     return vocab, merges
 
 
-def _pool_context() -> multiprocessing.context.BaseContext:
-    # fork starts workers in milliseconds; it is only unsafe once threads exist.
-    if sys.platform == "linux" and threading.active_count() == 1:
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("spawn")
-
-
 def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
                     workers: int | None = None, progress: bool = False,
                     used_workers: list[int] | None = None) -> Counter[str]:
@@ -151,7 +141,7 @@ def count_pretokens(path: str | os.PathLike, special_tokens: Sequence[str], *,
     ranges = list(zip(bounds[:-1], bounds[1:]))
     total: Counter[str] = Counter()
     used.append(min(workers, len(ranges)))
-    with worker_pool(used[-1], _pool_context()) as pool:
+    with worker_pool(used[-1], pool_context()) as pool:
         # The bar comes after the pool: tqdm starts a monitor thread, and fork wants none.
         bar = _progress_bar(progress, total=len(ranges), desc="pretokenize", unit="chunk")
         futures = [pool.submit(count_pretokens_in_range, path, a, b, list(special_tokens)) for a, b in ranges]

@@ -32,6 +32,18 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 WATCHDOG_SECONDS = 0.5  # how often a worker checks that its parent is alive
 
 
+def pool_context() -> multiprocessing.context.BaseContext:
+    """"fork" on Linux while this process runs one thread, else "spawn".
+
+    fork starts workers in milliseconds and shares what the parent has loaded (a tokenizer),
+    but copying a process that runs other threads (torch, tqdm's monitor) can leave a lock held
+    in the child. So take the context before starting any thread, e.g. before a progress bar.
+    """
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Make the calling process exit when ``parent_pid``, its parent, is gone."""
     if sys.platform.startswith("linux"):
