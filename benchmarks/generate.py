@@ -21,7 +21,8 @@ embeddings). Two workloads:
 
 Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after one warm-up
 run (which also compiles and captures).
---profile writes the CUDA kernel-time table of a few eager decode steps of the engine.
+--profile PREFIX writes, for batch 1 and 64, what one captured decode step spends its time on (kernels,
+GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt.
 """
 
 from __future__ import annotations
@@ -147,26 +148,46 @@ def _agreement(a, b) -> float:
     return same / max(total, 1)
 
 
-def _profile(model, prompts, steps: int, path: str, compile: bool) -> None:
-    """Kernel-time table of `steps` eager engine decode steps (no graph: the profiler sees each kernel)."""
+def _profile(model, prompts, steps: int, path: str, compile: bool) -> dict:
+    """What one captured decode step spends its time on, at batch len(prompts), window 256.
+
+    The step is the one `generate` replays (CUDA graph, after torch.compile when `compile`).
+    Wall time per replay is measured with CUDA events over `steps` back-to-back replays; the
+    profiler (CUPTI sees the kernels inside a graph) gives each kernel's time, their number per
+    step and the GPU-busy time per step. Wall minus busy is the gaps between kernels in the graph.
+    Writes the kernel table to `path` and returns the summary.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     from scratchlm.infer.engine import DecodeEngine
 
-    engine = DecodeEngine(model, len(prompts), 512, compile=compile, cuda_graphs=False)
+    B = len(prompts)
+    engine = DecodeEngine(model, B, 512, compile=compile)
     with torch.inference_mode():
-        engine._start_rows(list(range(len(prompts))), prompts, [400] * len(prompts), (0, None, None, None))
+        engine.run(prompts, [300] * B, temperature=0)  # compiles and captures the steps it takes
         for _ in range(3):
-            engine._step_body(len(prompts), 256, True)
+            engine._step(B, 256, True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            engine._step(B, 256, True)
+        end.record()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        wall_ms = start.elapsed_time(end) / steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine._step_body(len(prompts), 256, True)
+                engine._step(B, 256, True)
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps  # device_time is in us
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+    summary = {"batch": B, "compile": compile, "wall_ms_per_step": wall_ms, "kernels_per_step": len(kernels) / steps,
+               "gpu_busy_ms_per_step": busy_ms, "gap_ms_per_step": wall_ms - busy_ms}
     with open(path, "w") as f:
-        f.write(table)
-    print(table[:6000])
+        f.write(json.dumps(summary) + "\n\n" + table)
+    print(json.dumps(summary), flush=True)
+    print(table[:5000], flush=True)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['vs_hf_dynamic'] or 0:>6.2f} {st or 0:>10.2f} {100 * bw if bw else 0:>5.1f}")
     if args.profile:
         for B in (1, 64):
-            _profile(model, [prompt[0]] * B, 5, f"{args.profile}_b{B}.txt", compile=True)
+            rows.append({"model": args.model, "workload": "profile",
+                         **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}.txt", compile=True)})
+        save()
     return 0
 
 

@@ -43,9 +43,10 @@ def prepare_out_dir(out: Path) -> None:
 
 
 def measure_step_seconds(cfg: Any, steps: int = 3) -> float:
-    """Seconds per optimizer step of `cfg` on this machine (after one untimed warm-up step)."""
+    """Seconds per optimizer step of `cfg` on this machine (median, after one untimed warm-up step)."""
     import torch
 
+    from scratchlm.bench.harness import benchmark
     from scratchlm.model.functional import cross_entropy
     from scratchlm.model.transformer import build_model
     from scratchlm.optim import build_optimizer
@@ -54,15 +55,15 @@ def measure_step_seconds(cfg: Any, steps: int = 3) -> float:
     model = build_model(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.batch_size, cfg.model.context_length))
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
+
+    def step() -> None:
         cross_entropy(model(x), x).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+
+    result = benchmark(step, warmup=1, steps=steps, device="cpu")
     torch.set_rng_state(state)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return result.median
 
 
 def plan_steps(seconds_per_step: float, budget_s: float, cfg: Any, *, cap: int) -> int:
