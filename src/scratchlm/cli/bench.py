@@ -21,22 +21,23 @@ from scratchlm.model.attention_backends import attention_backend_names
 
 
 def _parser() -> argparse.ArgumentParser:
+    d = BenchOptions()  # the defaults live in one place: BenchOptions
     p = argparse.ArgumentParser(prog="scratchlm bench", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="TOML preset (its [model] section is used)")
     p.add_argument("--size", choices=sorted(SIZES), help="model shape (default: small without a config)")
-    p.add_argument("--mode", choices=(*MODES, "all"), default="all")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--context-length", type=int, default=512)
+    p.add_argument("--mode", choices=(*MODES, "all"), default=d.mode)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--vocab-size", type=int, help="overrides model.vocab_size (default 10000 without a config)")
     p.add_argument("--precision", choices=PRECISIONS, help="default: bf16_autocast on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--attention-backend", choices=attention_backend_names())
-    p.add_argument("--activation-checkpointing", type=int, default=0, metavar="N",
+    p.add_argument("--activation-checkpointing", type=int, default=d.activation_checkpointing, metavar="N",
                    help="checkpoint every N-th block (0: off)")
     p.add_argument("--fused-lm-head", action="store_true", help="chunked fused linear + cross-entropy loss")
-    p.add_argument("--optimizer", choices=("scratchlm", "scratchlm_fused", "torch_fused"), default="scratchlm",
+    p.add_argument("--optimizer", choices=("scratchlm", "scratchlm_fused", "torch_fused"), default=d.optimizer,
                    help="scratchlm.optim.AdamW (multi-tensor on CUDA), the same with fused=True (one Triton "
                         "kernel per group on CUDA) or torch.optim.AdamW(fused=True)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="NVTX ranges (forward/backward/optimizer, per layer) and a torch.profiler table")
     p.add_argument("--memory-snapshot", metavar="FILE", help="dump a CUDA allocator snapshot of one train step")
     p.add_argument("--json", action="store_true", help="print results as one JSON object")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     return p
 
 
