@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from scratchlm.bench.results import environment, write_json
 from scratchlm.infer.generate import generate
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.hf import hf_config, to_hf_state_dict
@@ -226,10 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             import transformers
 
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
-                           "weight_bytes_per_step": wbytes, "rows": rows}, f, indent=2)
+            write_json(args.out, {**environment(), "transformers": transformers.__version__,
+                                  "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": wbytes,
+                                  "rows": rows})
     prompt = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()]
     n = args.new_tokens
     impls = {
