@@ -237,7 +237,12 @@ class HFPolicy:
             self._twin = (build_model(cfg, device=self.device, dtype=dtype).eval(), cfg)
         twin, cfg = self._twin
         with torch.no_grad():
-            twin.load_state_dict(from_hf_state_dict(self.model.state_dict(), cfg))
+            try:
+                state = from_hf_state_dict(self.model.state_dict(), cfg)
+            except UserError:  # weights the twin cannot hold exactly (a Qwen2-MoE shared-expert gate that trained)
+                self._twin = False
+                return None
+            twin.load_state_dict(state)
         return twin
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:
