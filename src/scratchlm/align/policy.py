@@ -157,7 +157,7 @@ class ScratchPolicy:
 class HFPolicy:
     """A Hugging Face causal LM and tokenizer from a local directory.
 
-    A Llama that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
+    A Llama, Mixtral or Qwen2-MoE that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
     samples with the scratchlm decoding engine, through a scratchlm twin of the model whose
     weights are copied from the Hugging Face model at every call (so they follow training);
     other models (Qwen2, with its q/k/v biases, for one) sample with their own `generate`.
