@@ -254,13 +254,13 @@ def model_config_from_hf(config: dict[str, Any]) -> Any:
         experts, width = config["num_experts"], config["moe_intermediate_size"]
         renormalize = bool(config.get("norm_topk_prob", False))
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-        if experts < 1 or any(i in dense or (i + 1) % step for i in range(layers)):
+        if experts < 1 or step < 1 or any(i in dense or (i + 1) % step for i in range(layers)):
             raise UserError("Qwen2-MoE models with dense layers (mlp_only_layers, decoder_sparse_step > 1) are "
                             "not supported: every scratchlm MoE layer is sparse")
         if config.get("use_sliding_window"):
             raise UserError("Qwen2-MoE sliding-window attention (use_sliding_window=true) is not supported")
-        shared_width = config.get("shared_expert_intermediate_size", 0)
-        shared, remainder = divmod(shared_width, width)
+        shared_width = config["shared_expert_intermediate_size"]
+        shared, remainder = divmod(shared_width, width) if width > 0 else (0, 1)
         if remainder:
             raise UserError(
                 f"Qwen2-MoE shared_expert_intermediate_size={shared_width} is not a multiple of "
