@@ -398,3 +398,52 @@ def test_top1_gate_is_the_router_probability_so_the_router_learns_from_the_outpu
     forced(x).pow(2).sum().backward()
     # Gate p/p = 1 always: nothing but rounding reaches the router (why it is not the default).
     assert forced.router.weight.grad.abs().sum() < 1e-4 * learnt
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_load_balance_is_transformers_loss_divided_by_k(top_k):
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    moe = _make(top_k=top_k)
+    x = torch.randn(50, D, dtype=torch.float64)
+    moe(x)
+    theirs = mixtral.load_balancing_loss_func((moe.router(x).float(),), 4, top_k)
+    torch.testing.assert_close(moe.last_aux["load_balance"].float(), theirs / top_k)
+    assert moe.last_aux["load_balance"].item() == pytest.approx(theirs.item() / top_k, rel=1e-6)
+
+
+def test_model_scope_pools_the_layers_as_transformers_does():
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    from scratchlm.model.moe import model_load_balance
+
+    layers = [_make(seed=s) for s in range(3)]
+    x = torch.randn(40, D, dtype=torch.float64)
+    for layer in layers:
+        layer(x)
+    logits = tuple(layer.router(x).float() for layer in layers)
+    theirs = mixtral.load_balancing_loss_func(logits, 4, 2) / 2
+    torch.testing.assert_close(model_load_balance(layers).float(), theirs)
+    z = sum(m.last_aux["z_loss"] for m in layers)
+    torch.testing.assert_close(moe_aux_loss(layers, 0.1, 0.01, scope="model").float(), 0.1 * theirs + 0.01 * z.float())
+    per_layer = sum(m.last_aux["load_balance"] for m in layers)
+    torch.testing.assert_close(moe_aux_loss(layers, 0.1, 0.01, scope="layer"), 0.1 * per_layer + 0.01 * z)
+    # Layers that favour different experts balance each other in the pooled form only.
+    for layer, favourite in zip(layers[:2], (0, 3)):
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[favourite] = 1.0
+    x = torch.ones(8, D, dtype=torch.float64)
+    for layer in layers[:2]:
+        layer(x)
+    assert min(m.last_aux["load_balance"].item() for m in layers[:2]) > 1.5
+    assert model_load_balance(layers[:2]).item() < 1.2
+
+
+def test_aux_scope_is_checked():
+    with pytest.raises(UserError, match="aux_scope"):
+        MoEFFN(D, F, 4, 2, aux_scope="global")
+    layers = [_make(seed=1), _make(seed=2, aux_scope="model")]
+    for layer in layers:
+        layer(torch.randn(6, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="disagree"):
+        moe_aux_loss(layers, 0.01, 0.001)
+    assert moe_aux_loss(layers, 0.01, 0.001, scope="layer") is not None

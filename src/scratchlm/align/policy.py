@@ -157,7 +157,7 @@ class ScratchPolicy:
 class HFPolicy:
     """A Hugging Face causal LM and tokenizer from a local directory.
 
-    A Llama that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
+    A Llama, Mixtral or Qwen2-MoE that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
     samples with the scratchlm decoding engine, through a scratchlm twin of the model whose
     weights are copied from the Hugging Face model at every call (so they follow training);
     other models (Qwen2, with its q/k/v biases, for one) sample with their own `generate`.
@@ -237,7 +237,12 @@ class HFPolicy:
             self._twin = (build_model(cfg, device=self.device, dtype=dtype).eval(), cfg)
         twin, cfg = self._twin
         with torch.no_grad():
-            twin.load_state_dict(from_hf_state_dict(self.model.state_dict(), cfg))
+            try:
+                state = from_hf_state_dict(self.model.state_dict(), cfg)
+            except UserError:  # weights the twin cannot hold exactly (a Qwen2-MoE shared-expert gate that trained)
+                self._twin = False
+                return None
+            twin.load_state_dict(state)
         return twin
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:

@@ -132,8 +132,9 @@ def export_command(argv: list[str]) -> int:
     """`scratchlm export RUN_OR_CHECKPOINT --to hf OUT [--overwrite]`."""
     parser = argparse.ArgumentParser(
         prog="scratchlm export",
-        description="Export a trained model as a Hugging Face Llama directory "
-        "(config.json, generation_config.json, model.safetensors, tokenizer files).",
+        description="Export a trained model as a Hugging Face directory (config.json, generation_config.json, "
+        "model.safetensors, tokenizer files): Llama, or for a mixture-of-experts model Mixtral (renormalised "
+        "top-k gates, no shared experts) or Qwen2-MoE (raw top-k probabilities or shared experts).",
     )
     parser.add_argument("source", help="run directory, step directory or checkpoint file")
     parser.add_argument("--to", choices=["hf"], default="hf", help="target format (only 'hf')")
@@ -160,5 +161,6 @@ def export_command(argv: list[str]) -> int:
         for name in EXPORT_FILES:
             (out / name).unlink(missing_ok=True)
     written = export_hf(model, cfg, out, tokenizer=tokenizer)
-    print(f"exported {source} to {out} ({', '.join(sorted(p.name for p in written))})")
+    architecture = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    print(f"exported {source} to {out} as {architecture} ({', '.join(sorted(p.name for p in written))})")
     return 0

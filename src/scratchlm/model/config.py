@@ -42,6 +42,12 @@ class ModelConfig:
     moe_aux_coef: float = 0.01  # ffn="moe": weight of the load-balancing loss in the training loss
     moe_z_coef: float = 0.001  # ffn="moe": weight of the router z-loss in the training loss
     moe_gemm: str = "auto"  # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "portable"
+    # ffn="moe": renormalise the top-k router probabilities to sum to 1 (true) or weight each
+    # expert by its raw probability (false); none: renormalise when moe_top_k > 1.
+    moe_renormalize: bool | None = None
+    # ffn="moe": load-balancing loss per "layer" (summed over layers) or one for the whole "model"
+    # (routing pooled over layers, as transformers computes it); docs/moe.md.
+    moe_aux_scope: str = "layer"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -65,6 +71,10 @@ class ModelConfig:
                 raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
+            if self.moe_renormalize is not None and not isinstance(self.moe_renormalize, bool):
+                raise ValueError(f"model.moe_renormalize must be true, false or none, got {self.moe_renormalize!r}")
+            if self.moe_aux_scope not in ("layer", "model"):
+                raise ValueError(f"model.moe_aux_scope must be 'layer' or 'model', got {self.moe_aux_scope!r}")
         if self.qkv_init not in ("fused", "separate"):
             raise ValueError(f"model.qkv_init must be 'fused' or 'separate', got {self.qkv_init!r}")
         if self.attention_backend not in attention_backend_names():

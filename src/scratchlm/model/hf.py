@@ -11,6 +11,10 @@ per query head) is exactly Llama's, up to two conventions:
   q·k is a sum over the head dimension, so permuting q and k alike leaves the attention
   scores, and hence the logits, unchanged; v and the output projection are untouched.
 
+Mixture-of-experts models (``ffn="moe"``) go to Mixtral or Qwen2-MoE instead: each public
+function hands them to ``scratchlm.model.hf_moe``, which reuses the mapping here for everything
+outside the FFN.
+
 This module imports torch but not ``transformers``: an export needs only ``safetensors``, and
 ``transformers`` is used by the tests to check that the files load and give the same logits.
 """
@@ -74,8 +78,20 @@ def half_to_interleaved(weight: Tensor, num_heads: int) -> Tensor:
     return weight.reshape(num_heads, 2, d_head // 2, d_in).transpose(1, 2).reshape(out_features, d_in)
 
 
+def _moe(cfg: Any):
+    """``scratchlm.model.hf_moe`` when ``cfg`` is a mixture-of-experts model, else None."""
+    if getattr(cfg, "ffn", None) != "moe":
+        return None
+    from scratchlm.model import hf_moe
+
+    return hf_moe
+
+
 def check_exportable(cfg: Any) -> None:
-    """Raise UserError unless ``cfg`` is the Llama architecture (pre-norm, RMSNorm, RoPE, SwiGLU)."""
+    """Raise UserError unless ``cfg`` is the Llama architecture (pre-norm, RMSNorm, RoPE, SwiGLU)
+    or an MoE model that Mixtral or Qwen2-MoE expresses exactly."""
+    if (moe := _moe(cfg)) is not None:
+        return moe.check_exportable(cfg)
     problems = []
     if cfg.norm_position != "pre":
         problems.append(f"norm_position={cfg.norm_position!r} (needs 'pre')")
@@ -99,6 +115,8 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
 
     With tied embeddings ``lm_head.weight`` is left out, as Hugging Face stores it once.
     """
+    if (moe := _moe(cfg)) is not None:
+        return moe.to_hf_state_dict(state_dict, cfg)
     check_exportable(cfg)
     out: dict[str, Tensor] = {}
     for name, tensor in state_dict.items():
@@ -124,6 +142,8 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, 
     Buffers such as ``rotary_emb.inv_freq`` are ignored; a missing ``lm_head.weight`` (tied
     embeddings) is filled with the embedding matrix.
     """
+    if (moe := _moe(cfg)) is not None:
+        return moe.from_hf_state_dict(hf_state_dict, cfg)
     global_back = {v: k for k, v in _GLOBAL_NAMES.items()}
     layer_back = {v: k for k, v in _LAYER_NAMES.items()}
     out: dict[str, Tensor] = {}
@@ -158,6 +178,8 @@ def hf_config(
     eos_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The ``config.json`` of the equivalent ``LlamaConfig``, as a dict."""
+    if (moe := _moe(cfg)) is not None:
+        return moe.hf_config(cfg, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     check_exportable(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -189,9 +211,12 @@ def hf_config(
 
 
 def model_config_from_hf(config: dict[str, Any]) -> Any:
-    """A ModelConfig from a Llama ``config.json`` dict (the reverse of ``hf_config``)."""
+    """A ModelConfig from a Llama, Mixtral or Qwen2-MoE ``config.json`` dict (the reverse of ``hf_config``)."""
+    from scratchlm.model import hf_moe
     from scratchlm.model.config import ModelConfig
 
+    if config.get("model_type") in hf_moe.MODEL_TYPES:
+        return hf_moe.model_config_from_hf(config)
     if config.get("model_type", "llama") != "llama":
         raise UserError(f"not a Llama config: model_type={config.get('model_type')!r}")
     heads = config["num_attention_heads"]
@@ -246,7 +271,7 @@ def _tokenizer_files(tokenizer: Any, out: Path, context_length: int) -> tuple[li
 
 
 def export_hf(model: torch.nn.Module, cfg: Any, out: str | Path, *, tokenizer: Any = None) -> list[Path]:
-    """Write a Hugging Face Llama directory for ``model``; return the files written.
+    """Write a Hugging Face Llama (Mixtral, Qwen2-MoE for MoE) directory for ``model``; return the files written.
 
     ``transformers.AutoModelForCausalLM.from_pretrained(out)`` then gives the same logits, and
     ``AutoTokenizer.from_pretrained(out)`` (when a tokenizer is given) the same ids.

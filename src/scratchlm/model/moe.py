@@ -36,12 +36,27 @@ Both paths use gathers only (no scatter-add in the forward), so results do not d
 atomics' order.
 
 After each forward ``self.last_aux`` holds the router statistics and the two auxiliary
-losses, so the block API stays ``ffn(x) -> y``; ``moe_aux_loss(model, ...)`` sums them over a
-model. ``load_balance`` is the Switch Transformer loss ``E · Σ_e f_e · P_e`` (f_e: fraction
-of assignments routed to e, before capacity; P_e: mean router probability of e), equal to 1
-for perfectly uniform routing; ``z_loss`` is ST-MoE's mean squared log-sum-exp of the router
-logits, which keeps them small. ``moe_reference`` is a naive per-expert loop over the same
-parameters that the tests compare with.
+losses, so the block API stays ``ffn(x) -> y``; ``moe_aux_loss(model, ...)`` adds them up over
+a model. ``z_loss`` is ST-MoE's mean squared log-sum-exp of the router logits, which keeps
+them small. ``load_balance`` is the Switch Transformer loss
+
+    load_balance = E · Σ_e f_e · P_e,   f_e = (assignments routed to e) / (N · k),
+                                        P_e = (1 / N) · Σ_tokens p_e(token),
+
+over the N tokens of the forward, counting assignments before capacity drops. f sums to 1
+(normalised by N · k, not N), so the loss is 1 for perfectly uniform routing whatever k is.
+transformers' Mixtral/Qwen2-MoE ``load_balancing_loss_func`` normalises the counts by N
+alone, so for the same routing it is k times this loss. Its scope is a choice
+(``aux_scope``, the config's ``moe_aux_scope``):
+
+- "layer" (default): each layer's loss from its own f and P; ``moe_aux_loss`` sums them over
+  the layers (a model of L balanced layers has a loss of L).
+- "model": one loss from f and P pooled over every layer's routing, as transformers computes
+  it from all layers' router logits: exactly its ``load_balancing_loss_func(...) / k``. A
+  layer that favours expert 1 and another that favours expert 2 then balance each other out.
+
+``moe_reference`` is a naive per-expert loop over the same parameters that the tests compare
+with.
 """
 
 from __future__ import annotations
@@ -57,7 +72,13 @@ from scratchlm.model.functional import silu
 from scratchlm.model.layers import Linear, SwiGLU
 
 
-def _check(num_experts: int, top_k: int, capacity_factor: float | None, num_shared_experts: int) -> None:
+AUX_SCOPES = ("layer", "model")
+
+
+def _check(num_experts: int, top_k: int, capacity_factor: float | None, num_shared_experts: int,
+           aux_scope: str = "layer") -> None:
+    if aux_scope not in AUX_SCOPES:
+        raise UserError(f"moe: aux_scope must be 'layer' or 'model', got {aux_scope!r}")
     if num_experts < 1:
         raise UserError(f"moe: num_experts must be at least 1, got {num_experts}")
     if not 1 <= top_k <= num_experts:
@@ -88,6 +109,12 @@ def _upcast(t: Tensor) -> Tensor:
     return t.float() if t.element_size() < 4 else t
 
 
+def renormalizes(top_k: int, renormalize: bool | None) -> bool:
+    """Whether the chosen probabilities are renormalised: ``renormalize``, or when it is None,
+    ``top_k > 1`` (a renormalised top-1 gate is always 1)."""
+    return top_k > 1 if renormalize is None else bool(renormalize)
+
+
 def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits (N, E) -> (probs (N, E) in at least fp32, gates (N, k), expert ids (N, k))."""
     probs = torch.softmax(_upcast(logits), dim=-1)
@@ -109,6 +136,7 @@ def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor
         "load_balance": num_experts * (fraction * mean_prob).sum(),
         "z_loss": torch.logsumexp(_upcast(logits), dim=-1).pow(2).mean(),
         "expert_fraction": fraction,
+        "router_prob": mean_prob,
         "dropped_fraction": dropped.to(probs.dtype) / experts.numel(),
         "router_entropy": -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1).mean().detach(),
     }
@@ -148,11 +176,12 @@ class MoEFFN(nn.Module):
         num_shared_experts: int = 0,
         capacity_factor: float | None = None,
         gemm: str = "auto",
+        aux_scope: str = "layer",
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        _check(num_experts, top_k, capacity_factor, num_shared_experts)
+        _check(num_experts, top_k, capacity_factor, num_shared_experts, aux_scope)
         if gemm not in GEMMS:
             raise UserError(f"moe: gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
         # "auto": the grouped GEMM on CUDA when the experts compute in bf16, else the portable
@@ -162,9 +191,10 @@ class MoEFFN(nn.Module):
         self.d_ff = d_ff
         self.num_experts = num_experts
         self.top_k = top_k
-        self.renormalize = top_k > 1 if renormalize is None else renormalize
+        self.renormalize = renormalizes(top_k, renormalize)
         self.num_shared_experts = num_shared_experts
         self.capacity_factor = capacity_factor
+        self.aux_scope = aux_scope  # read by moe_aux_loss
         self.router = Linear(d_model, num_experts, device=device, dtype=dtype)
         self.w1 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, device=device, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, device=device, dtype=dtype))
@@ -184,7 +214,8 @@ class MoEFFN(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"shared={self.num_shared_experts}, capacity_factor={self.capacity_factor}"
+            f"shared={self.num_shared_experts}, capacity_factor={self.capacity_factor}, "
+            f"renormalize={self.renormalize}"
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -378,19 +409,44 @@ def moe_reference(module: MoEFFN, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]
     return out.view(shape), stats
 
 
-def moe_aux_loss(model: nn.Module | list[MoEFFN], load_balance_coef: float, z_loss_coef: float) -> Tensor | None:
-    """``Σ_layers (load_balance_coef · load_balance + z_loss_coef · z_loss)`` of the last forward.
+def moe_aux_loss(model: nn.Module | list[MoEFFN], load_balance_coef: float, z_loss_coef: float, *,
+                 scope: str | None = None) -> Tensor | None:
+    """``load_balance_coef · LB + z_loss_coef · Σ_layers z_loss`` of the last forward.
 
-    ``model`` is a module to search for MoE layers, or the list of them (``moe_layers``).
-    None when there is no MoE layer (so dense training adds nothing to its graph).
+    ``LB`` is ``Σ_layers load_balance`` for scope "layer" and ``model_load_balance(layers)``
+    for "model"; ``scope`` defaults to the layers' own ``aux_scope`` (the config's
+    ``moe_aux_scope``). ``model`` is a module to search for MoE layers, or the list of them
+    (``moe_layers``). None when there is no MoE layer (so dense training adds nothing to its
+    graph).
     """
-    layers = model if isinstance(model, list) else moe_layers(model)
-    total = None
+    layers = [m for m in (model if isinstance(model, list) else moe_layers(model)) if m.last_aux]
+    if not layers:
+        return None
+    if scope is None:
+        scopes = {m.aux_scope for m in layers}
+        if len(scopes) > 1:
+            raise ValueError(f"MoE layers disagree on aux_scope: {sorted(scopes)}")
+        scope = scopes.pop()
+    if scope not in AUX_SCOPES:
+        raise ValueError(f"scope must be 'layer' or 'model', got {scope!r}")
+    total = load_balance_coef * model_load_balance(layers) if scope == "model" else None
     for module in layers:
-        if module.last_aux:
-            term = load_balance_coef * module.last_aux["load_balance"] + z_loss_coef * module.last_aux["z_loss"]
-            total = term if total is None else total + term
+        term = z_loss_coef * module.last_aux["z_loss"]
+        if scope == "layer":
+            term = load_balance_coef * module.last_aux["load_balance"] + term
+        total = term if total is None else total + term
     return total
+
+
+def model_load_balance(layers: list[MoEFFN]) -> Tensor:
+    """The load-balancing loss of a whole model's last forward: ``E · Σ_e f_e · P_e`` with f
+    (assignments per expert / (L · N · k)) and P (mean router probability) pooled over the L
+    layers' routings. Every layer routes the same N tokens, so pooling is the mean of the
+    layers' ``expert_fraction`` and ``router_prob``. Equals transformers'
+    ``load_balancing_loss_func(all_router_logits, E, k) / k``."""
+    fraction = torch.stack([m.last_aux["expert_fraction"] for m in layers]).mean(dim=0)  # (E,)
+    prob = torch.stack([m.last_aux["router_prob"] for m in layers]).mean(dim=0)  # (E,)
+    return fraction.numel() * (fraction * prob).sum()
 
 
 def moe_layers(model: nn.Module) -> list[MoEFFN]:
@@ -446,6 +502,7 @@ def build_moe_ffn(
     shared_experts: int = 0,
     renormalize: bool | None = None,
     gemm: str = "auto",
+    aux_scope: str = "layer",
     device=None,
     dtype=None,
 ) -> MoEFFN:
@@ -460,6 +517,7 @@ def build_moe_ffn(
         num_shared_experts=shared_experts,
         capacity_factor=capacity_factor,
         gemm=gemm,
+        aux_scope=aux_scope,
         device=device,
         dtype=dtype,
     )
@@ -474,4 +532,6 @@ def moe_options(cfg: object) -> dict[str, object]:
         "capacity_factor": shape["capacity_factor"],
         "shared_experts": shape["shared"],
         "gemm": getattr(cfg, "moe_gemm", "auto"),
+        "renormalize": getattr(cfg, "moe_renormalize", None),
+        "aux_scope": getattr(cfg, "moe_aux_scope", "layer"),
     }
