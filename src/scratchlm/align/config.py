@@ -64,6 +64,15 @@ class SFTConfig:
     max_steps: int = 0  # stop after this many optimizer steps (0 = by epochs)
     normalize_constant: float = 0.0  # 0: mean NLL per response token; >0: sum / constant per sequence
     log_every: int = 10  # optimizer steps between metric lines
+    packed: bool = False  # pack the pairs end to end (EOS between them) into full windows, no padding (packed.py)
+    pack_length: int = 0  # packed: tokens per window input (0 = the model's context length)
+    mask_prompt: bool = True  # packed: no loss on prompt tokens; false trains on every token (plain LM)
+
+    def __post_init__(self) -> None:
+        if not self.packed and not self.mask_prompt:
+            raise ValueError("sft.mask_prompt = false needs sft.packed = true (unpacked SFT always masks the prompt)")
+        if self.pack_length < 0:
+            raise ValueError(f"sft.pack_length must be >= 0, got {self.pack_length}")
 
 
 @dataclass
