@@ -37,6 +37,7 @@ from scratchlm.align.logprobs import response_log_probs, tokenize_prompt_and_out
 from scratchlm.align.policy import autocast_context
 from scratchlm.align.preferences import PreferencePair
 from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step, recorder
+from scratchlm.errors import UserError
 
 EncodedPair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejected ids
 
@@ -62,7 +63,9 @@ def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, ref_cho
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode whose parameters take no gradient: the DPO reference."""
     reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+        p.grad = None
     return reference
 
 
@@ -177,8 +180,6 @@ def dpo_train(
     `dpo.eval_every` steps and the last step add them under ``eval_*`` keys. `save(step)`, when
     given, runs every `dpo.save_every` steps (the caller saves the final policy).
     """
-    from scratchlm.errors import UserError
-
     model = policy.model
     data = encode_preference_pairs(policy, pairs)
     if not data:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Union
 
 import numpy as np
 import torch
@@ -42,7 +41,7 @@ from torch import Tensor
 from scratchlm.errors import UserError
 
 # A document is a plain token list (every token is a target) or a (prompt ids, response ids) pair.
-Document = Union[Sequence[int], tuple[Sequence[int], Sequence[int]]]
+Document = Sequence[int] | tuple[Sequence[int], Sequence[int]]
 
 
 def _is_pair(doc: Document) -> bool:
