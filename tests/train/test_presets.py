@@ -7,8 +7,8 @@ from scratchlm.model.accounting import param_count
 from scratchlm.train.config import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-# align-*.toml are post-training configs (scratchlm.align.config), checked by tests/align.
-PRESETS = sorted(p.stem for p in CONFIGS.glob("*.toml") if not p.stem.startswith("align-"))
+# align-*.toml and dpo.toml are post-training configs (scratchlm.align.config), checked by tests/align and tests/cli.
+PRESETS = sorted(p.stem for p in CONFIGS.glob("*.toml") if not p.stem.startswith("align-") and p.stem != "dpo")
 
 
 def test_every_expected_preset_exists():

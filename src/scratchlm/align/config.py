@@ -2,7 +2,8 @@
 
 Each loop receives only the sections it uses; the root dataclasses (`SFTRunConfig`,
 `ExpertIterationRunConfig`, `GRPORunConfig`) compose them for the commands, on the sections
-all of them share (`AlignRunConfig`).
+all of them share (`AlignRunConfig`). `DPORunConfig` trains on fixed preference pairs and
+samples nothing, so it has its own data section and no sampling one.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class SFTConfig:
     max_steps: int = 0  # stop after this many optimizer steps (0 = by epochs)
     normalize_constant: float = 0.0  # 0: mean NLL per response token; >0: sum / constant per sequence
     log_every: int = 10  # optimizer steps between metric lines
+    packed: bool = False  # pack the pairs end to end (EOS between them) into full windows, no padding (packed.py)
+    pack_length: int = 0  # packed: tokens per window input (0 = the model's context length)
+    mask_prompt: bool = True  # packed: no loss on prompt tokens; false trains on every token (plain LM)
+
+    def __post_init__(self) -> None:
+        if not self.packed and not self.mask_prompt:
+            raise ValueError("sft.mask_prompt = false needs sft.packed = true (unpacked SFT always masks the prompt)")
+        if self.pack_length < 0:
+            raise ValueError(f"sft.pack_length must be >= 0, got {self.pack_length}")
 
 
 @dataclass
@@ -121,6 +131,42 @@ class GRPOConfig:
 
 
 @dataclass
+class PreferenceDataConfig:
+    """Preference pairs for DPO (see preferences.py): JSONL rows {prompt, chosen, rejected}."""
+
+    train_path: str = ""  # a .jsonl file of pairs, or arith[:D] for synthetic arithmetic pairs
+    eval_path: str = ""  # held-out pairs ("" = hold out eval_fraction of the training pairs)
+    eval_fraction: float = 0.1  # share of the training pairs held out when eval_path is "" (0 = none)
+    limit: int = 0  # use only the first N training pairs (0 = all; arith generates 1000)
+    eval_limit: int = 200  # held-out pairs per evaluation (0 = all)
+    template: str = "r1_zero"  # prompt format of the arith pairs (JSONL prompts are used verbatim)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation against a frozen copy of the starting policy (see dpo.py)."""
+
+    beta: float = 0.1  # how strongly the policy is tied to the reference (the implicit reward's scale)
+    micro_batch_size: int = 4  # preference pairs per forward/backward (twice as many rows)
+    grad_accum_steps: int = 8  # microbatches per optimizer step
+    num_epochs: float = 1.0  # passes over the training pairs (fractions allowed)
+    max_steps: int = 0  # stop after this many optimizer steps (0 = by epochs)
+    eval_every: int = 20  # optimizer steps between held-out evaluations (0 = only at the start and the end)
+    save_every: int = 0  # optimizer steps between saves of the policy (0 = only the final one)
+    log_every: int = 10  # optimizer steps between metric lines
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be positive, got {self.beta}")
+        if self.micro_batch_size < 1 or self.grad_accum_steps < 1:
+            raise ValueError("dpo.micro_batch_size and dpo.grad_accum_steps must be positive")
+
+
+@dataclass
 class RunConfig:
     """Where results go and how the run is seeded."""
 
@@ -159,3 +205,14 @@ class GRPORunConfig(AlignRunConfig):
     """`scratchlm grpo`."""
 
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass
+class DPORunConfig:
+    """`scratchlm dpo`: no sampling, so no math dataset or sampling sections."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    run: RunConfig = field(default_factory=RunConfig)

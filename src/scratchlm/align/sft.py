@@ -5,13 +5,19 @@ of the target so the tuned model stops by itself after ``</answer>``. An optimiz
 accumulates `grad_accum_steps` microbatches of `micro_batch_size` sequences (each loss scaled
 by 1/grad_accum_steps, see `sft_microbatch_train_step`), clips the global gradient norm, and
 follows a cosine learning-rate schedule with linear warm-up.
+
+With ``sft.packed`` the pairs are instead packed end to end, ``prompt response EOS`` after
+one another, into windows of ``sft.pack_length`` tokens (`scratchlm.align.packed`): no
+padding is computed, a microbatch is ``micro_batch_size`` windows, and an epoch is one pass
+over the windows. The last partial window is padded (its padding carries no loss), so no pair
+is lost. ``sft.mask_prompt = false`` puts the loss on every token, as in pretraining.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +98,44 @@ def encode_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool
     return out
 
 
+def packed_sft_dataset(policy: Any, pairs: Sequence[tuple[str, str]], *, sft: SFTConfig, seed: int = 0):
+    """The pairs as a `PackedDataset` of windows of ``sft.pack_length`` tokens (the last one padded)."""
+    from scratchlm.align.packed import PackedDataset
+    from scratchlm.errors import UserError
+
+    if policy.eos_id is None:
+        raise UserError("sft.packed needs a tokenizer with an end-of-text token to put between the pairs")
+    length = sft.pack_length or policy.context_length
+    if length > policy.context_length:
+        raise UserError(f"sft.pack_length={length} exceeds the model's context length {policy.context_length}")
+    documents = [(policy.encode(prompt), policy.encode(response)) for prompt, response in pairs]
+    return PackedDataset(documents, context_length=length, eos_id=policy.eos_id, mask_prompt=sft.mask_prompt,
+                         pad_last=True, pad_id=policy.pad_id, seed=seed)
+
+
+def _padded_microbatches(policy: Any, data: list[tuple[list[int], list[int]]], size: int,
+                         seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Microbatches of `size` pairs, right-padded, in a fresh shuffle of the pairs each pass."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < size:
+            fresh = list(range(len(data)))
+            rng.shuffle(fresh)
+            order += fresh
+        idx, order = order[:size], order[size:]
+        batch = tokenize_prompt_and_output([data[i][0] for i in idx], [data[i][1] for i in idx], policy.pad_id)
+        yield {k: v.to(policy.device) for k, v in batch.items()}
+
+
+def _packed_microbatches(data: Any, size: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Microbatches of `size` packed windows, epoch after epoch (a microbatch may span two)."""
+    stream = data.index_stream()
+    while True:
+        x, y, mask = data.batch([next(stream) for _ in range(size)], device)
+        yield {"input_ids": x, "labels": y, "response_mask": mask}
+
+
 def sft_train(
     policy: Any,
     pairs: Sequence[tuple[str, str]],
@@ -105,13 +149,18 @@ def sft_train(
 ) -> list[dict[str, Any]]:
     """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step."""
     model = policy.model
-    data = encode_pairs(policy, pairs)
-    if not data:
+    if not pairs:
         return []
+    if sft.packed:
+        packed = packed_sft_dataset(policy, pairs, sft=sft, seed=seed)
+        items, microbatches = len(packed), _packed_microbatches(packed, sft.micro_batch_size, policy.device)
+    else:
+        data = encode_pairs(policy, pairs)
+        if not data:
+            return []
+        items, microbatches = len(data), _padded_microbatches(policy, data, sft.micro_batch_size, seed)
     batch = sft.micro_batch_size * sft.grad_accum_steps
-    total = sft.max_steps or max(1, math.ceil(sft.num_epochs * len(data) / batch))
-    rng = random.Random(seed)
-    order: list[int] = []
+    total = sft.max_steps or max(1, math.ceil(sft.num_epochs * items / batch))
     optimizer = make_optimizer(model, optim)
     normalize_constant = sft.normalize_constant or None
     history = []
@@ -120,13 +169,7 @@ def sft_train(
     for step in range(total):
         loss_sum, entropy_sum, tokens = 0.0, 0.0, 0.0
         for _ in range(sft.grad_accum_steps):
-            if len(order) < sft.micro_batch_size:
-                fresh = list(range(len(data)))
-                rng.shuffle(fresh)
-                order += fresh
-            idx, order = order[: sft.micro_batch_size], order[sft.micro_batch_size:]
-            batch_t = tokenize_prompt_and_output([data[i][0] for i in idx], [data[i][1] for i in idx], policy.pad_id)
-            batch_t = {k: v.to(policy.device) for k, v in batch_t.items()}
+            batch_t = next(microbatches)
             with autocast_context(policy.device):
                 out = response_log_probs(model, batch_t["input_ids"], batch_t["labels"], return_token_entropy=True)
             loss, meta = sft_microbatch_train_step(out["log_probs"], batch_t["response_mask"], sft.grad_accum_steps,

@@ -48,6 +48,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                          "expert iteration with verifiable rewards"),
     "grpo": ("scratchlm.cli.align", "grpo_command",
              "GRPO with verifiable rewards"),
+    "dpo": ("scratchlm.cli.align", "dpo_command", "direct preference optimisation on chosen/rejected pairs"),
     "eval-math": ("scratchlm.cli.align", "eval_math_command",
                   "evaluate a model on GSM8K / MATH with answer checking"),
 }

@@ -1,4 +1,4 @@
-"""Command-line entry points: ``scratchlm sft | expert-iteration | grpo | eval-math``.
+"""Command-line entry points: ``scratchlm sft | expert-iteration | grpo | dpo | eval-math``.
 
 The training commands read a TOML preset (``configs/align-*.toml``) with dotted overrides,
 write the resolved config, ``metrics.jsonl``, one ``eval_step_N.jsonl`` per evaluation and
@@ -7,6 +7,7 @@ the final policy (``policy/``, a run directory or a Hugging Face directory) into
 
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
     scratchlm grpo align-grpo --policy.path=runs/align-sft/policy
+    scratchlm dpo dpo --policy.path=runs/align-sft/policy --data.train_path=pairs.jsonl
     scratchlm eval-math runs/align-grpo/policy --dataset gsm8k --limit 200 --out results.jsonl
 """
 
@@ -37,7 +38,8 @@ class MetricsWriter:
             f.write(json.dumps(row) + "\n")
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                  if k in ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy",
-                          "eval_format_rate", "token_entropy", "kept", "clip_fraction")}
+                          "eval_format_rate", "token_entropy", "kept", "clip_fraction", "reward_accuracy",
+                          "reward_margin", "eval_loss", "eval_reward_accuracy", "eval_reward_margin")}
         log.info("%s", shown)
         print(json.dumps(shown), flush=True)
 
@@ -54,23 +56,33 @@ def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str
     return load_config(config_cls, args.config, overrides)
 
 
-def _setup(cfg: Any):
-    """Seed, device, policy, template and reward function, output folder."""
+def _require_policy_path(cfg: Any) -> None:
+    if not cfg.policy.path:
+        raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
+
+
+def _start(cfg: Any):
+    """Seed, output folder with the resolved config, device and policy."""
     import torch
 
     from scratchlm.align.policy import load_policy
-    from scratchlm.align.prompts import get_template
-    from scratchlm.align.reward_registry import select_reward
     from scratchlm.config import save_config
     from scratchlm.device import resolve_device
 
-    if not cfg.policy.path:
-        raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
+    _require_policy_path(cfg)
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
-    policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
+    return load_policy(cfg.policy.path, resolve_device(cfg.policy.device)), out_dir
+
+
+def _setup(cfg: Any):
+    """Seed, device, policy, template and reward function, output folder."""
+    from scratchlm.align.prompts import get_template
+    from scratchlm.align.reward_registry import select_reward
+
+    policy, out_dir = _start(cfg)
     template = get_template(cfg.data.template)
     reward_fn = select_reward(cfg.data.reward, template=cfg.data.template, dataset=cfg.data.dataset)
     return policy, template, reward_fn, out_dir
@@ -157,6 +169,44 @@ def grpo_command(argv: list[str]) -> int:
                          evaluate=_evaluator(policy, cfg, template, reward_fn, out_dir), seed=cfg.run.seed,
                          log=metrics, progress=cfg.run.progress)
     policy.save(out_dir / "policy", step=len(history))
+    return 0
+
+
+def preference_pairs(cfg: Any) -> tuple[list[Any], list[Any]]:
+    """(training, held-out) preference pairs of a `DPORunConfig`'s data section."""
+    from scratchlm.align.preferences import hold_out, load_preference_pairs
+
+    data, seed = cfg.data, cfg.run.seed
+    if not data.train_path:
+        raise UserError("set the preference pairs with --data.train_path=PAIRS.jsonl (or arith[:D])")
+    train = load_preference_pairs(data.train_path, split="train", limit=data.limit or None, seed=seed,
+                                  template=data.template)
+    if data.eval_path:
+        held_out = load_preference_pairs(data.eval_path, split="test", limit=data.eval_limit or None, seed=seed,
+                                         template=data.template)
+    else:
+        train, held_out = hold_out(train, data.eval_fraction, seed)
+        held_out = held_out[: data.eval_limit or None]
+    if not train:
+        raise UserError(f"{data.train_path} leaves no training pairs after the held-out share; "
+                        f"lower data.eval_fraction or add pairs")
+    return train, held_out
+
+
+def dpo_command(argv: list[str]) -> int:
+    """``scratchlm dpo [config] [--section.key=value ...]``: DPO on preference pairs."""
+    from scratchlm.align.config import DPORunConfig
+    from scratchlm.align.dpo import dpo_train
+
+    cfg = _parse("dpo", argv, DPORunConfig, "dpo", "Direct preference optimisation on preference pairs.")
+    _require_policy_path(cfg)
+    train, held_out = preference_pairs(cfg)  # read before anything is written, so bad data fails first
+    policy, out_dir = _start(cfg)
+    metrics = MetricsWriter(out_dir)
+    history = dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
+                        save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
+                        log=metrics, progress=cfg.run.progress)
+    policy.save(out_dir / "policy", step=history[-1]["step"])
     return 0
 
 
