@@ -376,7 +376,8 @@ def grpo_train(
             total_updates=total_updates, rng=rng)
         update += n_updates
         row = step_metrics(step, lr, update_meta, reward_meta, rollouts, retokenized)
-        out_of_time = bool(grpo.max_seconds) and time.perf_counter() - started >= grpo.max_seconds
+        row["elapsed_s"] = time.perf_counter() - started  # GRPO wall time so far, evaluations included
+        out_of_time = bool(grpo.max_seconds) and row["elapsed_s"] >= grpo.max_seconds
         last = step == grpo.n_grpo_steps or out_of_time
         if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
             row.update(eval_metrics(evaluate, step))
