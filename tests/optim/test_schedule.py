@@ -38,3 +38,27 @@ def test_other_schedules():
     assert constant_lr(3, 1.0, 0.0, 6, 10) == 0.5 and constant_lr(99, 1.0, 0.0, 6, 10) == 1.0
     assert linear_lr(6, 1.0, 0.0, 6, 10) == 1.0 and linear_lr(8, 1.0, 0.0, 6, 10) == 0.5
     assert linear_lr(11, 1.0, 0.0, 6, 10) == 0.0
+
+
+def test_budget_lr_is_step_warmup_times_the_schedule_over_progress():
+    from scratchlm.optim.schedule import budget_lr
+
+    max_lr, min_lr, warmup = 1.0, 0.1, 4
+    for step, progress in [(1, 0.0), (2, 0.1), (4, 0.3), (7, 0.5), (50, 0.99), (60, 1.0), (61, 1.3)]:
+        p = min(progress, 1.0)
+        warm = min(1.0, step / warmup)
+        cosine = min_lr + 0.5 * (1 + math.cos(math.pi * p)) * (max_lr - min_lr)
+        assert budget_lr(cosine_lr, step, progress, max_lr, min_lr, warmup) == pytest.approx(warm * cosine, abs=1e-12)
+        assert budget_lr(linear_lr, step, progress, max_lr, min_lr, warmup) == pytest.approx(
+            warm * (max_lr + p * (min_lr - max_lr)), abs=1e-12)
+        assert budget_lr(constant_lr, step, progress, max_lr, min_lr, 0) == max_lr
+    assert budget_lr(cosine_lr, 5, 0.5, 1.0, 0.0, 10) == pytest.approx(0.25)
+
+
+def test_learning_rate_follows_progress_when_given():
+    from scratchlm.optim import learning_rate
+    from scratchlm.optim.config import OptimConfig
+
+    cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="linear")
+    assert learning_rate(cfg, 10, 100) == pytest.approx(0.9)
+    assert learning_rate(cfg, 10, 100, progress=0.25) == pytest.approx(0.75)  # the step no longer matters

@@ -23,9 +23,16 @@ def build_optimizer(model: "torch.nn.Module", cfg: "OptimConfig") -> "AdamW":
                  weight_decay=cfg.weight_decay, foreach=cfg.foreach, fused=cfg.fused)
 
 
-def learning_rate(cfg: "OptimConfig", step: int, max_steps: int) -> float:
-    """The learning rate of optimizer step `step` (0-based) under `cfg`'s schedule."""
-    from scratchlm.optim.schedule import SCHEDULES
+def learning_rate(cfg: "OptimConfig", step: int, max_steps: int, *, progress: float | None = None) -> float:
+    """The learning rate of optimizer step `step` (0-based) under `cfg`'s schedule.
 
+    `progress` (the fraction of a time budget spent, see `schedule.budget_lr`) makes the decay
+    follow it instead of step / max_steps; the warm-up stays in steps.
+    """
+    from scratchlm.optim.schedule import SCHEDULES, budget_lr
+
+    schedule = SCHEDULES[cfg.schedule]
+    if progress is not None:
+        return budget_lr(schedule, step, progress, cfg.lr, cfg.min_lr, cfg.warmup_steps)
     decay_end = cfg.cosine_steps if cfg.cosine_steps is not None else max_steps
-    return SCHEDULES[cfg.schedule](step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_end)
+    return schedule(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay_end)

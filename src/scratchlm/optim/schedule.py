@@ -1,5 +1,11 @@
 """Learning-rate schedules: plain functions of the iteration number, so they are trivially
-resumable (no scheduler state to checkpoint) and the trainer just sets each group's `lr`."""
+resumable (no scheduler state to checkpoint) and the trainer just sets each group's `lr`.
+
+Every schedule has the signature ``(it, max_lr, min_lr, warmup_iters, decay_end)`` and accepts
+a float ``it``: `budget_lr` evaluates one over progress in [0, 1] (the fraction of a time budget
+spent) with ``warmup_iters=0, decay_end=1.0``, and puts the warm-up, still counted in steps, in
+front of it as a factor.
+"""
 
 from __future__ import annotations
 
@@ -46,3 +52,17 @@ def linear_lr(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_c
 
 
 SCHEDULES = {"cosine": cosine_lr, "constant": constant_lr, "linear": linear_lr}
+
+
+def budget_lr(schedule, step: int, progress: float, max_lr: float, min_lr: float, warmup_iters: int) -> float:
+    """The rate of `schedule` when the run is measured in time, not steps.
+
+        min(1, step / warmup_iters) · schedule(progress, max_lr, min_lr, 0, 1.0)
+
+    `progress` is elapsed / budget (clamped to [0, 1]): the decay ends when the budget does,
+    whatever number of steps that turns out to be. The warm-up stays in steps (a count of
+    updates is what it is for) and scales the rate, so the schedule needs no state: no record of
+    when the warm-up ended. Example: budget_lr(cosine_lr, 5, 0.5, 1.0, 0.0, 10) == 0.25.
+    """
+    warm = min(1.0, step / warmup_iters) if warmup_iters > 0 else 1.0
+    return warm * schedule(min(max(progress, 0.0), 1.0), max_lr, min_lr, 0, 1.0)

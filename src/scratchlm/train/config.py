@@ -19,9 +19,20 @@ class TrainerConfig:
     out_dir: str = "runs/default"  # run directory (config, metrics, checkpoints, plots)
     batch_size: int = 32  # sequences per optimizer step (global, across accumulation and ranks)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
-    max_steps: int = 5000  # optimizer steps
+    max_steps: int = 5000  # optimizer steps (with time_budget_s: the most the budget may reach)
+    # Wall-clock budget in seconds; 0 = off. The run trains until its training clock reaches the
+    # budget (or max_steps), then checkpoints, evaluates and finishes. The clock starts with the
+    # first step and counts compilation and warm-up, not evaluations or checkpoint writes; a
+    # resumed run continues it. The learning-rate decay then follows elapsed / budget instead of
+    # step / max_steps (the warm-up stays optim.warmup_steps steps), so warm-up, cosine, linear
+    # and WSD decays end when the time does. The schedule then depends on the machine's speed:
+    # such runs are NOT bitwise reproducible, even with `deterministic`.
+    time_budget_s: float = 0.0
     eval_interval: int = 500  # steps between validation passes; 0 = only at the end
     eval_batches: int = 20  # validation windows: the first eval_batches x batch_size (global), every pass
+    # The last evaluation of the run (at max_steps or at the time budget) scores the whole
+    # validation file instead of the first eval_batches x batch_size windows.
+    final_eval_full: bool = False
     eval_at_start: bool = True  # also evaluate before the first step (the baseline loss)
     log_interval: int = 10  # steps between console/metrics lines (train loss is averaged over them)
     checkpoint_interval: int = 1000  # steps between checkpoints; 0 = only at the end
@@ -61,6 +72,8 @@ class TrainerConfig:
         for name in ("max_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.time_budget_s >= 0:
+            raise ValueError(f"trainer.time_budget_s must be >= 0 (0 = no budget), got {self.time_budget_s}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.batch_size % self.grad_accum_steps:

@@ -13,6 +13,16 @@ same losses as an uninterrupted one (tests/train/test_trainer.py checks this).
 Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
 never costs the newest checkpoint.
 
+The training clock (``elapsed_s`` in every train and eval record) runs from the first step of
+`fit`, compilation and warm-up included, and stops during evaluations and checkpoint writes
+(after waiting for the GPU's queued work), so evaluating more often does not change how much a
+time budget trains; a resumed run continues it from the checkpoint. With
+``trainer.time_budget_s`` the run stops when the clock reaches the budget and the learning-rate
+decay follows elapsed / budget (`scratchlm.optim.schedule.budget_lr`); in parallel runs the
+ranks average their clocks once a step, so they agree on the rate and on when to stop. Records
+also carry ``tokens`` (trained so far); eval records carry ``tokens_per_s``, the mean rate on the
+training clock, and ``val_tokens``, the number of tokens scored.
+
 Mixture-of-experts models (``model.ffn="moe"``): each micro-batch backpropagates
 ``cross_entropy + moe_aux_coef · Σ_layers load_balance + moe_z_coef · Σ_layers z_loss`` (scaled
 by 1/accum like the rest), read from the MoE layers' ``last_aux`` right after the forward and
@@ -66,6 +76,7 @@ from scratchlm.train.metrics import (
 from scratchlm.train.run_dir import copy_tokenizer, environment_info
 
 log = logging.getLogger("scratchlm.train")
+_clock = time.perf_counter  # the training clock's time source (tests substitute a fake one)
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
@@ -112,7 +123,15 @@ class Trainer:
         self._cudagraphs = run.cudagraphs
         self.optimizer = self._build_optimizer()
 
+        if tc.time_budget_s and cfg.optim.cosine_steps is not None:
+            raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
+                            "follows the clock: leave optim.cosine_steps unset")
         self.step = 0
+        self._tokens = 0  # tokens trained on so far (all ranks)
+        self._elapsed = 0.0  # the training clock after the last step, agreed by the ranks
+        self._clock_start: float | None = None  # _clock() when this fit() started the clock
+        self._clock_base = 0.0  # seconds on the clock before that (earlier fits, a resumed run)
+        self._clock_paused = 0.0  # seconds of evaluation and checkpointing since _clock_start
         self._last_plot = time.monotonic()
         self._window_loss = torch.zeros((), device=self.device)
         self._window_steps = 0
@@ -180,17 +199,25 @@ class Trainer:
         tc = self.cfg.trainer
         stop = tc.max_steps if until is None else min(until, tc.max_steps)
         last: dict[str, Any] = {}
+        spent = self._budget_spent()  # a resumed run whose time budget ran out before
         if self.step == 0 and tc.eval_at_start and self.data.has_validation:
             last["eval"] = self._evaluate()
-        elif self.step and self._eval_due(self.step) and not self._has_eval_record(self.step):
-            last["eval"] = self._evaluate()  # the run stopped between its checkpoint and this eval
+        elif (self.step and (self._eval_due(self.step) or (spent and self.data.has_validation))
+              and not self._has_eval_record(self.step)):
+            # the run stopped between its checkpoint and this eval
+            last["eval"] = self._evaluate(final=spent or self.step == tc.max_steps)
+        if spent:
+            log.info("the time budget of %s was spent at step %d; nothing to train", self.run_dir, self.step)
+            return last
         bar = self._progress_bar(stop)
         out_of_time = False
+        self._start_clock()
         try:
             while self.step < stop and not out_of_time:
                 self._train_step()
                 bar.update(1)
-                out_of_time = deadline is not None and time.monotonic() > deadline and self.step < stop
+                out_of_time = ((deadline is not None and time.monotonic() > deadline) or self._budget_spent()) \
+                    and self.step < stop
                 if self.step % tc.log_interval == 0 or self.step == tc.max_steps or out_of_time:
                     last["train"] = self._log_train()
                     bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
@@ -198,18 +225,67 @@ class Trainer:
                 if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
                     self.save_checkpoint()
                 if self._eval_due(self.step) or (out_of_time and self.data.has_validation):
-                    last["eval"] = self._evaluate()
+                    last["eval"] = self._evaluate(final=out_of_time or self.step == tc.max_steps)
         finally:
             bar.close()
+            self._stop_clock()
         if out_of_time:
-            log.info("time budget reached at step %d of %d", self.step, tc.max_steps)
+            log.info("time budget reached at step %d of %d (%.1f s)", self.step, tc.max_steps, self._elapsed)
         if (self.step == tc.max_steps and until is None) or out_of_time:
             self._finish()
         return last
 
+    # ------------------------------------------------------------------ the training clock
+
+    def _train_seconds(self) -> float:
+        """This rank's training clock now (see the module docstring)."""
+        if self._clock_start is None:
+            return self._clock_base
+        return self._clock_base + _clock() - self._clock_start - self._clock_paused
+
+    def _start_clock(self) -> None:
+        self._clock_start, self._clock_paused = _clock(), 0.0
+
+    def _stop_clock(self) -> None:
+        self._clock_base = self._train_seconds()
+        self._clock_start = None
+
+    @contextlib.contextmanager
+    def _clock_paused_for(self):
+        """Stop the training clock inside (evaluation, checkpoints), once the device's queued work is done."""
+        if self._clock_start is None:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the steps' queued kernels are training time
+        start = _clock()
+        try:
+            yield
+        finally:
+            self._clock_paused += _clock() - start
+
+    def _read_clock(self) -> None:
+        """Set `_elapsed` after a step: with a time budget the ranks' mean, so they all agree."""
+        elapsed = self._train_seconds()
+        if self.cfg.trainer.time_budget_s and self.world_size > 1:
+            elapsed = self.strategy.all_reduce_mean(elapsed)
+        self._elapsed = elapsed
+
+    def _budget_spent(self) -> bool:
+        budget = self.cfg.trainer.time_budget_s
+        return budget > 0 and self._elapsed >= budget
+
+    def _scheduled_lr(self) -> float:
+        """The learning rate of the next update: by step, or with a time budget by the clock."""
+        tc = self.cfg.trainer
+        progress = self._elapsed / tc.time_budget_s if tc.time_budget_s else None
+        return learning_rate(self.cfg.optim, self.step + 1, tc.max_steps, progress=progress)
+
+    # ------------------------------------------------------------------ one step
+
     def _train_step(self) -> None:
         tc, oc = self.cfg.trainer, self.cfg.optim
-        lr = learning_rate(oc, self.step + 1, tc.max_steps)
+        lr = self._scheduled_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         accum = tc.grad_accum_steps
@@ -235,7 +311,10 @@ class Trainer:
         self._lr = lr
         self._window_loss += step_loss
         self._window_steps += 1
-        self.throughput.add(tc.batch_size * self.cfg.model.context_length)
+        tokens = tc.batch_size * self.cfg.model.context_length
+        self._tokens += tokens
+        self.throughput.add(tokens)
+        self._read_clock()
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -254,7 +333,7 @@ class Trainer:
             raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
         record = {"event": "train", "step": self.step, "loss": loss, "lr": self._lr,
                   "grad_norm": float(self._grad_norm), **self.throughput.measure(self.device),
-                  "memory_gb": memory_gb(self.device), **moe}
+                  "memory_gb": memory_gb(self.device), "elapsed_s": self._elapsed, "tokens": self._tokens, **moe}
         self._window_loss.zero_()
         self._window_steps = 0
         self._emit(record)
@@ -271,7 +350,13 @@ class Trainer:
         return path.is_file() and any(r.get("event") == "eval" and r.get("step") == step
                                       for r in read_metrics(path))
 
-    def _evaluate(self) -> dict[str, Any]:
+    def _evaluate(self, *, final: bool = False) -> dict[str, Any]:
+        """Validation loss over the first eval_batches x batch_size windows; with `final` and
+        `trainer.final_eval_full`, over the whole validation file. The training clock stops meanwhile."""
+        with self._clock_paused_for():
+            return self._evaluate_now(final)
+
+    def _evaluate_now(self, final: bool) -> dict[str, Any]:
         # Distributed wrappers must run the forward (FSDP gathers the weights); alone, the eager
         # module gives the same loss without compiling a no_grad graph.
         eager = self.strategy.eval_plain_model and not self.cfg.trainer.compile_eval
@@ -280,7 +365,8 @@ class Trainer:
         try:
             # A fixed set of windows (eval_batches global batches), so the loss does not depend on
             # the micro-batch size or the number of ranks; ranks add up their token sums.
-            windows = self.cfg.trainer.eval_batches * self.cfg.trainer.batch_size
+            tc = self.cfg.trainer
+            windows = None if final and tc.final_eval_full else tc.eval_batches * tc.batch_size
             with self._autocast():
                 total, count = evaluation_totals(model, self.data.eval_batches(windows, self.device))
         finally:
@@ -289,7 +375,10 @@ class Trainer:
         if count == 0:
             raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
         loss = total / count
-        record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
+        rate = self._tokens / self._elapsed if self._elapsed > 0 else None
+        record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss),
+                  "val_tokens": round(count * self.world_size), "elapsed_s": self._elapsed, "tokens": self._tokens,
+                  "tokens_per_s": rate}
         self._emit(record)
         if self.is_main and time.monotonic() - self._last_plot > PLOT_EVERY_S:
             self._plot()  # mid-run plots of long runs; the end of training always plots
@@ -332,12 +421,17 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write RUN/checkpoints/step_N atomically (all ranks call this in parallel runs)."""
+        with self._clock_paused_for():
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         model_state = self.strategy.full_state_dict(self.model)
         optim_state = self.strategy.optimizer_state_dict(self.optimizer)
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
                  "sampler": self.data.state_dict(),
                  "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps,
-                          "moe_window": None if self._moe_window is None else self._moe_window.tolist()}}
+                          "moe_window": None if self._moe_window is None else self._moe_window.tolist(),
+                          "elapsed_s": self._elapsed, "tokens": self._tokens}}
         if self.is_main:
             staging = ckpt.staging_dir(self.run_dir, self.step)
         self.strategy.barrier()
@@ -378,6 +472,10 @@ class Trainer:
         self.step = int(state["step"])
         self._window_loss.fill_(state["loop"]["window_loss"])
         self._window_steps = int(state["loop"]["window_steps"])
+        # Checkpoints written before the clock was saved restart it at 0.
+        self._elapsed = self._clock_base = float(state["loop"].get("elapsed_s", 0.0))
+        self._tokens = int(state["loop"].get("tokens", self.step * self.cfg.trainer.batch_size
+                                             * self.cfg.model.context_length))
         if self._moe_window is not None and state["loop"].get("moe_window") is not None:
             self._moe_window.copy_(torch.tensor(state["loop"]["moe_window"]))
         if self.is_main:
