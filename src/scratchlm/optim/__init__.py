@@ -29,9 +29,13 @@ def learning_rate(cfg: "OptimConfig", step: int, max_steps: int, *, progress: fl
     `progress` (the fraction of a time budget spent, see `schedule.budget_lr`) makes the decay
     follow it instead of step / max_steps; the warm-up stays in steps.
     """
+    import functools
+
     from scratchlm.optim.schedule import SCHEDULES, budget_lr
 
     schedule = SCHEDULES[cfg.schedule]
+    if cfg.schedule == "wsd":
+        schedule = functools.partial(schedule, decay_fraction=cfg.decay_fraction, shape=cfg.decay_shape)
     if progress is not None:
         return budget_lr(schedule, step, progress, cfg.lr, cfg.min_lr, cfg.warmup_steps)
     decay_end = cfg.cosine_steps if cfg.cosine_steps is not None else max_steps

@@ -51,7 +51,38 @@ def linear_lr(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_c
     return max_lr + progress * (min_lr - max_lr)
 
 
-SCHEDULES = {"cosine": cosine_lr, "constant": constant_lr, "linear": linear_lr}
+WSD_SHAPES = ("linear", "1-sqrt")
+
+
+def wsd_lr(it: float, max_lr: float, min_lr: float, warmup_iters: float, decay_end: float, *,
+           decay_fraction: float = 0.2, shape: str = "linear") -> float:
+    """Warmup-stable-decay: linear warm-up, `max_lr` until the last `decay_fraction` of
+    `decay_end`, then a decay to `min_lr` at `decay_end` (same signature as `cosine_lr`, plus the
+    decay's fraction and shape). With Ts = max(Tw, (1 − f) · Te) and p = (it − Ts) / (Te − Ts):
+
+        "linear": max_lr + p · (min_lr − max_lr)
+        "1-sqrt": min_lr + (1 − √p) · (max_lr − min_lr)   (drops faster at first)
+
+    The stable phase needs no end in advance, so a run can be extended and decayed later; the
+    short final decay recovers most of what cosine gives (Hägele et al., 2024).
+    Example: wsd_lr(90, 1.0, 0.0, 10, 100, decay_fraction=0.2) == 0.5.
+    """
+    if shape not in WSD_SHAPES:
+        raise ValueError(f"unknown WSD decay shape {shape!r}; choose one of {', '.join(WSD_SHAPES)}")
+    if it < warmup_iters:
+        return max_lr * it / warmup_iters
+    if it >= decay_end:
+        return min_lr
+    decay_start = max(warmup_iters, (1.0 - decay_fraction) * decay_end)
+    if it <= decay_start:
+        return max_lr
+    progress = (it - decay_start) / (decay_end - decay_start)
+    if shape == "linear":
+        return max_lr + progress * (min_lr - max_lr)
+    return min_lr + (1.0 - math.sqrt(progress)) * (max_lr - min_lr)
+
+
+SCHEDULES = {"cosine": cosine_lr, "constant": constant_lr, "linear": linear_lr, "wsd": wsd_lr}
 
 
 def budget_lr(schedule, step: int, progress: float, max_lr: float, min_lr: float, warmup_iters: int) -> float:
