@@ -1,8 +1,8 @@
 """The training loop: builds model, optimizer and data sampler from a TrainConfig and runs them.
 
 One optimizer step = `grad_accum_steps` micro-batches forward/backward (loss scaled by
-1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW step with the
-scheduled learning rate. Update number ``s`` (1-based) uses ``learning_rate(s)``, so the
+1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW (or, with
+``optim.name = "muon"``, Muon) step with the scheduled learning rate. Update number ``s`` (1-based) uses ``learning_rate(s)``, so the
 first update is not wasted at lr 0 and the last one uses `min_lr`.
 
 Resuming is exact: a checkpoint holds weights, optimizer state, RNG states, the sampler's
@@ -62,8 +62,7 @@ from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
-from scratchlm.optim import learning_rate
-from scratchlm.optim.adamw import AdamW, param_groups
+from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
@@ -181,11 +180,14 @@ class Trainer:
         return self._loss_fn(logits, y)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
+        from scratchlm.parallel.strategies.sharded import ShardedStateStrategy
+
         oc = self.cfg.optim
-        groups = lambda plain: param_groups(plain, oc.weight_decay, decay_vectors=oc.decay_vectors)  # noqa: E731
-        return self.strategy.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                                             eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach,
-                                             fused=oc.fused)
+        if oc.name == "muon" and isinstance(self.strategy, ShardedStateStrategy):
+            raise UserError(f"optim.name='muon' needs whole matrices on every rank, which "
+                            f"parallel.strategy={self.strategy.name!r} shards: use 'none' or a DDP strategy, or adamw")
+        optimizer_cls, groups, kwargs = optimizer_spec(oc)
+        return self.strategy.build_optimizer(self.model, optimizer_cls, params=groups, **kwargs)
 
     # ------------------------------------------------------------------ the loop
 
@@ -287,7 +289,7 @@ class Trainer:
         tc, oc = self.cfg.trainer, self.cfg.optim
         lr = self._scheduled_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices: optim.muon_lr / optim.lr
         accum = tc.grad_accum_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accum):
