@@ -122,6 +122,9 @@ class Trainer:
         self._cudagraphs = run.cudagraphs
         self.optimizer = self._build_optimizer()
 
+        if tc.fused_lm_head and cfg.model.logit_softcap:
+            raise UserError("trainer.fused_lm_head computes the loss from uncapped logits: turn it off to train "
+                            "with model.logit_softcap")
         if tc.time_budget_s and cfg.optim.cosine_steps is not None:
             raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
                             "follows the clock: leave optim.cosine_steps unset")
