@@ -28,6 +28,11 @@ class TrainerConfig:
     # and WSD decays end when the time does. The schedule then depends on the machine's speed:
     # such runs are NOT bitwise reproducible, even with `deterministic`.
     time_budget_s: float = 0.0
+    # Sequence-length warm-up over this many first steps (0 = off): each row of a batch is cut
+    # into shorter windows, 1/8, 1/4, 1/2 of context_length for a quarter of the steps each, then
+    # whole rows. The tokens of a step and their targets stay the same, only attention spans
+    # less; four sizes, so compiled graphs are reused. context_length must divide by 8.
+    seq_len_warmup_steps: int = 0
     eval_interval: int = 500  # steps between validation passes; 0 = only at the end
     eval_batches: int = 20  # validation windows: the first eval_batches x batch_size (global), every pass
     # The last evaluation of the run (at max_steps or at the time budget) scores the whole
@@ -69,7 +74,7 @@ class TrainerConfig:
         for name in ("batch_size", "grad_accum_steps", "eval_batches", "log_interval", "activation_checkpointing_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
+        for name in ("max_steps", "seq_len_warmup_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not self.time_budget_s >= 0:

@@ -35,6 +35,12 @@ router entropy and per-layer expert utilisation (`scratchlm.model.moe.moe_record
 over the micro-batches of the log window. The router statistics are summed on the device and
 read once per log interval, like the loss.
 
+Sequence-length warm-up (``trainer.seq_len_warmup_steps``): early steps train on the same
+tokens cut into shorter windows (`warmup_seq_len`, `split_windows`): attention over a short
+context is cheaper and the early model learns mostly local statistics anyway. Only the window
+shape changes with the step, so resuming stays exact; under torch.compile the four shapes give
+at most a few recompilations (Dynamo turns the shape dynamic at the second one).
+
 Every run goes through a parallel strategy (`scratchlm.parallel.strategy.Strategy`; the
 single-process one for ``parallel.strategy = "none"``), and `scratchlm.parallel.parallelize`
 applies activation checkpointing, torch.compile and the strategy's wrapper to the plain model.
@@ -79,7 +85,31 @@ _clock = time.perf_counter  # the training clock's time source (tests substitute
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "seed_everything"]
+__all__ = ["Trainer", "seed_everything", "warmup_seq_len"]
+
+SEQ_LEN_STAGES = 4  # trainer.seq_len_warmup_steps: windows of 1/8, 1/4, 1/2, then all of context_length
+
+
+def warmup_seq_len(step: int, context_length: int, warmup_steps: int, stages: int = SEQ_LEN_STAGES) -> int:
+    """Training window length of update `step` (1-based) under a sequence-length warm-up.
+
+    The first `warmup_steps` updates are split into `stages` equal spans using
+    context_length / 2^(stages-1), ..., / 2, then whole windows (also after the warm-up).
+    Example: [warmup_seq_len(s, 16, 8) for s in range(1, 10)] == [2, 2, 4, 4, 8, 8, 16, 16, 16].
+    """
+    if step > warmup_steps:
+        return context_length
+    stage = (step - 1) * stages // warmup_steps  # 0 .. stages-1
+    return context_length >> (stages - 1 - stage)
+
+
+def split_windows(x: torch.Tensor, y: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) inputs and targets as (B·T/length, length): the same tokens and targets, each row
+    cut into consecutive windows (y is x shifted by one, so every piece keeps its own targets)."""
+    B, T = x.shape
+    if length == T:
+        return x, y
+    return x.reshape(B * T // length, length), y.reshape(B * T // length, length)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -125,6 +155,10 @@ class Trainer:
         if tc.fused_lm_head and cfg.model.logit_softcap:
             raise UserError("trainer.fused_lm_head computes the loss from uncapped logits: turn it off to train "
                             "with model.logit_softcap")
+        stages = 2 ** (SEQ_LEN_STAGES - 1)
+        if tc.seq_len_warmup_steps and cfg.model.context_length % stages:
+            raise UserError(f"trainer.seq_len_warmup_steps cuts windows to 1/{stages} of model.context_length, "
+                            f"so context_length must divide by {stages}, not {cfg.model.context_length}")
         if tc.time_budget_s and cfg.optim.cosine_steps is not None:
             raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
                             "follows the clock: leave optim.cosine_steps unset")
@@ -299,6 +333,9 @@ class Trainer:
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()  # last micro-step's graph outputs may be reused
             x, y = self.data.next_batch(self.device)
+            if tc.seq_len_warmup_steps:
+                length = warmup_seq_len(self.step + 1, self.cfg.model.context_length, tc.seq_len_warmup_steps)
+                x, y = split_windows(x, y, length)
             with self._no_sync(micro < accum - 1):
                 loss = self._loss(x, y) / accum
             step_loss += loss.detach()
