@@ -47,6 +47,11 @@ class TrainerConfig:
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" ("float32", "bfloat16" too)
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    # With compile: where torch.compile's on-disk caches live (compiled graphs, autotuning, Dynamo's
+    # dynamic-shape profile), so a later run of the same model starts faster. "" = torch's default
+    # (/tmp/torchinductor_<user>, lost when /tmp is cleaned); "auto" = ~/.cache/scratchlm/compile;
+    # or a path. See scratchlm.train.compile_cache.
+    compile_cache_dir: str = ""
     # Evaluate with the compiled model too. Off: single-process evaluation runs the model eagerly,
     # which spares a second compilation (no_grad) and, under reduce-overhead, a second set of
     # CUDA graphs; worth turning on only for long evaluations of large models.

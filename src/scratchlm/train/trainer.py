@@ -147,6 +147,8 @@ class Trainer:
         self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
         self.raw_model = build_model(cfg.model, device=self.device)
+        if tc.compile:
+            self._use_compile_cache()
         run = parallelize(self.raw_model, tc, strategy)
         self.model, self._loss_fn, self._head_inputs = run.model, run.loss_fn, run.head_inputs
         self._cudagraphs = run.cudagraphs
@@ -204,6 +206,17 @@ class Trainer:
     def engine(self) -> Strategy:
         """The strategy (its older name)."""
         return self.strategy
+
+    def _use_compile_cache(self) -> None:
+        """`trainer.compile_cache_dir`, with a job name from what the compiled graphs depend on."""
+        from scratchlm.train.compile_cache import use_compile_cache
+
+        tc = self.cfg.trainer
+        shape = {k: getattr(tc, k) for k in ("batch_size", "grad_accum_steps", "compile_mode", "fused_lm_head",
+                                             "activation_checkpointing", "activation_checkpointing_every",
+                                             "seq_len_warmup_steps")}
+        job = config_to_toml(self.cfg.model) + repr(sorted(shape.items())) + f"{self.world_size} {self.device.type}"
+        use_compile_cache(tc.compile_cache_dir, job_text=job)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
