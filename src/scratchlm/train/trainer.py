@@ -2,8 +2,9 @@
 
 One optimizer step = `grad_accum_steps` micro-batches forward/backward (loss scaled by
 1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW (or, with
-``optim.name = "muon"``, Muon) step with the scheduled learning rate. Update number ``s`` (1-based) uses ``learning_rate(s)``, so the
-first update is not wasted at lr 0 and the last one uses `min_lr`.
+``optim.name = "muon"``, Muon) step with the scheduled learning rate. Update number ``s``
+(1-based) uses ``learning_rate(s)``, so the first update is not wasted at lr 0 and the last one
+uses `min_lr`.
 
 Resuming is exact: a checkpoint holds weights, optimizer state, RNG states, the sampler's
 position and the partial train-loss window, and on resume metrics.jsonl is cut back to the
@@ -112,6 +113,21 @@ def split_windows(x: torch.Tensor, y: torch.Tensor, length: int) -> tuple[torch.
     return x.reshape(B * T // length, length), y.reshape(B * T // length, length)
 
 
+def _check_combinations(cfg: TrainConfig) -> None:
+    """Refuse option pairs that cannot work together, before anything is built or written."""
+    tc = cfg.trainer
+    if tc.fused_lm_head and cfg.model.logit_softcap:
+        raise UserError("trainer.fused_lm_head computes the loss from uncapped logits: turn it off to train "
+                        "with model.logit_softcap")
+    stages = 2 ** (SEQ_LEN_STAGES - 1)
+    if tc.seq_len_warmup_steps and cfg.model.context_length % stages:
+        raise UserError(f"trainer.seq_len_warmup_steps cuts windows to 1/{stages} of model.context_length, "
+                        f"so context_length must divide by {stages}, not {cfg.model.context_length}")
+    if tc.time_budget_s and cfg.optim.cosine_steps is not None:
+        raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
+                        "follows the clock: leave optim.cosine_steps unset")
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -137,6 +153,7 @@ class Trainer:
         from scratchlm.model.transformer import build_model
 
         tc = cfg.trainer
+        _check_combinations(cfg)
         strategy = strategy or engine or init_strategy(cfg.parallel, device=tc.device)
         self.cfg, self.run_dir, self.strategy = cfg, Path(run_dir), strategy
         self.rank, self.world_size, self.is_main = strategy.rank, strategy.world_size, strategy.is_main
@@ -153,17 +170,6 @@ class Trainer:
         self.model, self._loss_fn, self._head_inputs = run.model, run.loss_fn, run.head_inputs
         self._cudagraphs = run.cudagraphs
         self.optimizer = self._build_optimizer()
-
-        if tc.fused_lm_head and cfg.model.logit_softcap:
-            raise UserError("trainer.fused_lm_head computes the loss from uncapped logits: turn it off to train "
-                            "with model.logit_softcap")
-        stages = 2 ** (SEQ_LEN_STAGES - 1)
-        if tc.seq_len_warmup_steps and cfg.model.context_length % stages:
-            raise UserError(f"trainer.seq_len_warmup_steps cuts windows to 1/{stages} of model.context_length, "
-                            f"so context_length must divide by {stages}, not {cfg.model.context_length}")
-        if tc.time_budget_s and cfg.optim.cosine_steps is not None:
-            raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
-                            "follows the clock: leave optim.cosine_steps unset")
         self.step = 0
         self._tokens = 0  # tokens trained on so far (all ranks)
         self._elapsed = 0.0  # the training clock after the last step, agreed by the ranks
