@@ -32,6 +32,8 @@ VARIANTS = [
     dict(norm_position="post"),
     dict(use_rope=False),
     dict(ffn="silu", use_rmsnorm=False, tie_embeddings=True),
+    dict(ffn="relu2"),
+    dict(ffn="relu2", tie_embeddings=True, logit_softcap=15.0, zero_init_output=True),
     dict(ffn="moe"),  # through build_model, with whatever moe_* fields ModelConfig has
 ]
 MOE_VARIANTS = [
@@ -138,7 +140,8 @@ def _saved_activation_bytes(model: torch.nn.Module, T: int, V: int) -> int:
     return sum(seen.values())
 
 
-ACTIVATION_VARIANTS = [dict(), dict(ffn="silu"), dict(use_rmsnorm=False), dict(attention_backend="flash_torch")]
+ACTIVATION_VARIANTS = [dict(), dict(ffn="silu"), dict(use_rmsnorm=False), dict(attention_backend="flash_torch"),
+                       dict(ffn="relu2"), dict(logit_softcap=15.0)]
 
 
 @pytest.mark.parametrize("kwargs", ACTIVATION_VARIANTS, ids=[str(v) or "default" for v in ACTIVATION_VARIANTS])
@@ -201,6 +204,7 @@ def test_ffn_flops_by_hand():
     D, F, T = 8, 16, 5
     assert ffn_flops("swiglu", D, F, T) == 3 * 2 * T * D * F
     assert ffn_flops("silu", D, F, T) == 2 * 2 * T * D * F
+    assert ffn_flops("relu2", D, F, T) == 2 * 2 * T * D * F  # w1 and w2, no w3
     # router (D -> 4) plus two routed and one shared SwiGLU expert per token
     assert ffn_flops("moe", D, F, T, num_experts=4, top_k=2, shared=1) == 2 * T * D * 4 + 3 * (3 * 2 * T * D * F)
     with pytest.raises(ValueError, match="unknown ffn"):

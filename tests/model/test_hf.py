@@ -102,7 +102,8 @@ def test_round_trip(tie):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(norm_position="post"), dict(use_rmsnorm=False), dict(use_rope=False), dict(ffn="silu")]
+    "kwargs", [dict(norm_position="post"), dict(use_rmsnorm=False), dict(use_rope=False), dict(ffn="silu"),
+                dict(ffn="relu2"), dict(logit_softcap=15.0)]
 )
 def test_non_llama_variants_refused(kwargs, tmp_path):
     model, cfg = _model(**kwargs)

@@ -231,3 +231,34 @@ def test_a_hooked_projection_is_still_called_as_a_module():
     with _bf16():
         ffn(torch.randn(2, 8))
     assert seen == [torch.Size([2, 16])]
+
+
+def test_relu2_ffn_is_w2_of_squared_relu_of_w1():
+    from scratchlm.model.layers import ReLU2FFN
+
+    torch.manual_seed(0)
+    ffn = ReLU2FFN(8, 12)
+    assert sorted(n for n, _ in ffn.named_parameters()) == ["w1.weight", "w2.weight"]
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    expected = F.linear(F.relu(F.linear(x, ffn.w1.weight)) ** 2, ffn.w2.weight)
+    torch.testing.assert_close(ffn(x), expected)
+    # gradients through the kink and the square, against torch's own
+    g = torch.randn(2, 5, 8)
+    (ours,) = torch.autograd.grad(ffn(x), x, g)
+    (ref,) = torch.autograd.grad(expected, x, g)
+    torch.testing.assert_close(ours, ref)
+
+
+def test_softcap_bounds_logits_and_is_near_identity_when_small():
+    from scratchlm.model.layers import SoftcappedLinear, softcap
+
+    x = torch.tensor([-1000.0, -30.0, -0.01, 0.0, 0.01, 30.0, 1000.0])
+    y = softcap(x, 15.0)
+    torch.testing.assert_close(y, 15.0 * torch.tanh(x / 15.0))
+    assert y.abs().max() <= 15.0 and y[3] == 0 and abs(y[4] - 0.01) < 1e-8
+    assert softcap(x.bfloat16(), 15.0).dtype == torch.bfloat16
+    torch.manual_seed(0)
+    head = SoftcappedLinear(4, 6, cap=2.0)
+    h = torch.randn(3, 4) * 10
+    torch.testing.assert_close(head(h), 2.0 * torch.tanh(F.linear(h, head.weight) / 2.0))
+    assert [n for n, _ in head.named_parameters()] == ["weight"]

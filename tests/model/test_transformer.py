@@ -330,3 +330,48 @@ def test_fused_projections_match_separate_ones_on_gpu(compiled, packed_qkv_backw
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
     for (name, p), q in zip(separate.named_parameters(), fused.parameters()):
         assert ((p.grad - q.grad).norm() / p.grad.norm()).item() < 2e-2, name
+
+
+# ---------------------------------------------------------------- speedrun recipe switches
+
+
+def test_relu2_ffn_variant_has_no_w3_and_builds_from_the_config():
+    model = build_model(ModelConfig(**{k: v for k, v in TINY.items()}, ffn="relu2"))
+    assert list(model.state_dict()) == _expected_keys(2, w3=False)
+    x = torch.randint(0, 50, (2, 7))
+    assert model(x).shape == (2, 7, 50)
+    with pytest.raises(ValueError, match="relu2"):
+        ModelConfig(ffn="relu")
+
+
+def test_logit_softcap_caps_the_logits_of_the_same_weights_and_decoding_sees_it():
+    torch.manual_seed(0)
+    plain = TransformerLM(**TINY)
+    capped = TransformerLM(**TINY, logit_softcap=0.5)
+    capped.load_state_dict(plain.state_dict())  # same keys
+    x = torch.randint(0, 50, (2, 9))
+    torch.testing.assert_close(capped(x), 0.5 * torch.tanh(plain(x) / 0.5))
+    assert capped(x).abs().max() <= 0.5
+    # the decoding engine applies lm_head to hidden states itself: the cap is in lm_head
+    torch.testing.assert_close(capped.lm_head(capped.hidden_states(x)), capped(x))
+    assert build_model(ModelConfig(**TINY, logit_softcap=30.0)).lm_head.cap == 30.0
+    with pytest.raises(ValueError, match="logit_softcap"):
+        ModelConfig(logit_softcap=-1.0)
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "relu2", "moe"])
+def test_zero_init_output_makes_every_block_the_identity(ffn):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**TINY, ffn=ffn, zero_init_output=True))
+    for layer in model.layers:
+        assert not layer.attn.output_proj.weight.any()
+        w2 = layer.ffn.w2
+        assert not (w2.weight if isinstance(w2, torch.nn.Module) else w2).any()
+        assert layer.attn.q_proj.weight.any() and layer.ffn.w1 is not None
+    assert model.lm_head.weight.any()
+    x = torch.randint(0, 50, (2, 5))
+    # the residual stream is the embeddings: logits = lm_head(ln_final(embeddings))
+    torch.testing.assert_close(model(x), model.lm_head(model.ln_final(model.token_embeddings(x))))
+    # the next backward still reaches the zeroed matrices
+    cross_entropy(model(x), x).backward()
+    assert model.layers[0].attn.output_proj.weight.grad.abs().sum() > 0

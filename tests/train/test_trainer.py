@@ -324,7 +324,7 @@ def test_moe_interrupted_and_resumed_run_logs_the_same_bitwise(cfg, tmp_path, mo
     _crash_at_step_7_then_resume(cfg, broken, monkeypatch)
 
     def train_records(run):
-        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_gb", "mfu")}
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_gb", "mfu", "elapsed_s")}
                 for r in read_metrics(run / "metrics.jsonl") if r["event"] == "train"]
 
     assert train_records(broken) == train_records(straight)  # router stats included
@@ -449,3 +449,17 @@ def test_validation_loss_does_not_depend_on_the_micro_batch(cfg, tmp_path):
         finally:
             trainer.logger.close()
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+
+
+def test_fused_lm_head_with_a_logit_softcap_is_refused(cfg, tmp_path):
+    cfg = replace(cfg, model=replace(cfg.model, logit_softcap=15.0),
+                  trainer=replace(cfg.trainer, fused_lm_head=True))
+    with pytest.raises(UserError, match="fused_lm_head.*logit_softcap"):
+        run_training(cfg)
+
+
+def test_speedrun_model_switches_train(cfg, tmp_path):
+    cfg = replace(cfg, model=replace(cfg.model, ffn="relu2", logit_softcap=15.0, zero_init_output=True))
+    run_training(cfg)
+    evals = _losses(tmp_path / "run", "eval", "val_loss")
+    assert evals[-1][1] < evals[0][1] - 0.5

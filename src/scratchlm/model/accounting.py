@@ -91,7 +91,7 @@ def _ffn_params(cfg: Any) -> dict[str, int]:
     if cfg.ffn == "swiglu":
         n = 3 * D * F
         return {"total": n, "active": n}
-    if cfg.ffn == "silu":
+    if cfg.ffn in ("silu", "relu2"):  # two matrices, w1 and w2
         n = 2 * D * F
         return {"total": n, "active": n}
     if cfg.ffn == "moe":
@@ -109,7 +109,7 @@ def count_params(cfg: Any) -> dict[str, int]:
     """Parameter count by component, with ``total`` and ``active`` (per-token, differs for MoE).
 
     Components: ``embedding`` (V·D), ``attention`` (4·D² per layer: q, k, v, output),
-    ``ffn`` (3·D·d_ff per layer for SwiGLU, 2·D·d_ff for SiLU, router and all experts for MoE),
+    ``ffn`` (3·D·d_ff per layer for SwiGLU, 2·D·d_ff for SiLU and ReLU², router and all experts for MoE),
     ``norm`` (D per RMSNorm: two per layer and the final one; 0 without RMSNorm) and
     ``lm_head`` (V·D, 0 when tied to the embedding, which it then shares).
 
@@ -142,7 +142,7 @@ def param_count(cfg: Any) -> int:
 def ffn_flops(ffn: str, d_model: int, d_ff: int, tokens: int = 1, *, num_experts: int = 0, top_k: int = 0,
               shared: int = 0) -> int:
     """Forward FLOPs of one feed-forward layer over `tokens` tokens: "swiglu" (w1, w3, w2),
-    "silu" (w1, w2) or "moe" (the router, and the SwiGLU of width d_ff of each of the `top_k`
+    "silu" or "relu2" (w1, w2) or "moe" (the router, and the SwiGLU of width d_ff of each of the `top_k`
     routed and `shared` experts a token goes through).
 
     >>> ffn_flops("swiglu", 8, 16), ffn_flops("moe", 8, 16, num_experts=4, top_k=2)
@@ -151,7 +151,7 @@ def ffn_flops(ffn: str, d_model: int, d_ff: int, tokens: int = 1, *, num_experts
     expert = 3 * matmul_flops(tokens, d_model, d_ff)
     if ffn == "swiglu":
         return expert
-    if ffn == "silu":
+    if ffn in ("silu", "relu2"):
         return 2 * matmul_flops(tokens, d_model, d_ff)
     if ffn == "moe":
         return matmul_flops(tokens, d_model, num_experts) + (top_k + shared) * expert
@@ -209,14 +209,16 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
       (3·H·T·T, the term quadratic in T); flash backends keep only a (H, T) log-sum-exp
       beyond those (H·T): their output, laid out (T, H, d), is itself what feeds ``output_proj``;
     - SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and the product fed to w2 (5·T·F);
-      SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F);
+      SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F); ReLU² FFN: relu(w1 x), which both
+      the ReLU's and the square's backward read, and its square fed to w2 (2·T·F);
     - MoE: the router logits, probabilities and their logarithms (3·T·E), the gathered
       expert inputs and the expert outputs before the weighted sum (2·k·T·D), and 5·F per
       token for each routed and shared expert ((k + S)·5·T·F). With a capacity factor the
       experts run on the E·C padded rows instead of k·T (C = ceil(factor·T·k/E)).
 
     After the stack: the final RMSNorm (3·T·D) and the float32 logits and their
-    exponentials inside the cross-entropy (2·T·V). Ignored as small: per-row statistics
+    exponentials inside the cross-entropy (2·T·V), plus with ``logit_softcap`` the tanh that
+    the cap saves (T·V). Ignored as small: per-row statistics
     such as 1/rms or softmax maxima (O(T·H)), the RoPE cos/sin rows, boolean masks and
     integer ids. Residual additions keep nothing. Mixed precision roughly halves the total;
     activation checkpointing trades most of it for recomputation.
@@ -230,6 +232,8 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
         ffn = 5 * T * F
     elif cfg.ffn == "silu":
         ffn = 3 * T * F
+    elif cfg.ffn == "relu2":
+        ffn = 2 * T * F
     elif cfg.ffn == "moe":
         moe = moe_shape(cfg)
         k, E, cf = moe["top_k"], moe["num_experts"], moe["capacity_factor"]
@@ -242,7 +246,7 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
         "norms": (2 * L + 1) * norm,
         "attention": L * (4 * T * D + scores),
         "ffn": L * ffn,
-        "loss": 2 * T * V,
+        "loss": (3 if getattr(cfg, "logit_softcap", 0) else 2) * T * V,
     }
     out = {k: v * FP32_BYTES for k, v in elements.items()}
     out["total"] = sum(out.values())

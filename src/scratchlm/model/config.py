@@ -22,7 +22,7 @@ class ModelConfig:
     norm_position: str = "pre"  # "pre" (Llama) or "post" (original Transformer) ablation
     use_rmsnorm: bool = True  # False: identity instead of RMSNorm (ablation)
     use_rope: bool = True  # False: no positional encoding at all (NoPE ablation)
-    ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation) or "moe"
+    ffn: str = "swiglu"  # "swiglu", "silu" (ungated, ablation), "relu2" (w2(relu(w1 x)²), ungated) or "moe"
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
     attention_backend: str = "math"  # "math" (reference) or another name in attention_backends.ATTENTION_BACKENDS
     # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
@@ -41,6 +41,12 @@ class ModelConfig:
     moe_shared_experts: int = 0  # ffn="moe": experts every token also goes through
     moe_aux_coef: float = 0.01  # ffn="moe": weight of the load-balancing loss in the training loss
     moe_z_coef: float = 0.001  # ffn="moe": weight of the router z-loss in the training loss
+    # Logits = c·tanh(logits / c) with c = logit_softcap, bounding them to (-c, c); 0 = off (Gemma 2's
+    # and the modded-nanogpt speedrun's cap; 15-30 is usual). Not with trainer.fused_lm_head.
+    logit_softcap: float = 0.0
+    # Start every block as the identity: attention's output_proj and the FFN's w2 (MoE: the
+    # experts' w2) initialised to zero. lm_head keeps its init (tied, it is the embedding table).
+    zero_init_output: bool = False
     moe_gemm: str = "auto"  # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "portable"
     # ffn="moe": renormalise the top-k router probabilities to sum to 1 (true) or weight each
     # expert by its raw probability (false); none: renormalise when moe_top_k > 1.
@@ -59,8 +65,10 @@ class ModelConfig:
             )
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
-        if self.ffn not in ("swiglu", "silu", "moe"):
-            raise ValueError(f"model.ffn must be 'swiglu', 'silu' or 'moe', got {self.ffn!r}")
+        if self.ffn not in ("swiglu", "silu", "relu2", "moe"):
+            raise ValueError(f"model.ffn must be 'swiglu', 'silu', 'relu2' or 'moe', got {self.ffn!r}")
+        if not self.logit_softcap >= 0:
+            raise ValueError(f"model.logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.ffn == "moe":
             if not 1 <= self.moe_top_k <= self.moe_num_experts:
                 raise ValueError(

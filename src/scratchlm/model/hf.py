@@ -101,6 +101,8 @@ def check_exportable(cfg: Any) -> None:
         problems.append("use_rope=false (needs RoPE)")
     if cfg.ffn != "swiglu":
         problems.append(f"ffn={cfg.ffn!r} (needs 'swiglu')")
+    if getattr(cfg, "logit_softcap", 0):
+        problems.append(f"logit_softcap={cfg.logit_softcap} (Llama has no logit cap)")
     if (cfg.d_model // cfg.num_heads) % 2:
         problems.append(f"odd head size {cfg.d_model // cfg.num_heads} (RoPE needs it even)")
     if problems:

@@ -1,4 +1,4 @@
-"""Parameterised building blocks: Linear, Embedding, RMSNorm and the two feed-forward nets.
+"""Parameterised building blocks: Linear, Embedding, RMSNorm, the feed-forward nets, the soft-capped head.
 
 All weights are bias-free, as in Llama. Every module takes `device=None, dtype=None` so a
 model can be built directly on its target device and in its target dtype.
@@ -212,3 +212,46 @@ class SiLUFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(silu(self.w1(x)))
+
+
+class ReLU2FFN(nn.Module):
+    """Ungated feed-forward net `w2(relu(w1 x)²)` (So et al., 2021, "Primer"; the modded-nanogpt
+    speedrun's FFN); x: (..., d_model) -> (..., d_model).
+
+    w1: d_model -> d_ff; w2: d_ff -> d_model; no w3. Two matrices instead of SwiGLU's three: at
+    d_ff = 3/2 of SwiGLU's width it has the same parameters and FLOPs, and its element-wise work
+    is one max and one square.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(torch.relu(self.w1(x)).square())
+
+
+def softcap(logits: Tensor, cap: float) -> Tensor:
+    """cap · tanh(logits / cap): close to the identity for |logits| << cap, bounded by ±cap.
+
+    Computed in float32 and returned in the input's dtype (tanh of bf16 loses the small
+    differences between large logits). Example: softcap(torch.tensor([0.0, 30.0]), 15.0) ≈ [0, 14.46].
+    """
+    return (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
+
+
+class SoftcappedLinear(Linear):
+    """A `Linear` whose outputs are soft-capped: `softcap(x Wᵀ, cap)` (the LM head with
+    `logit_softcap`). Same parameter and state_dict key as the plain head, so every caller of
+    `lm_head` (decoding included) sees capped logits."""
+
+    def __init__(self, in_features: int, out_features: int, cap: float, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, device=device, dtype=dtype)
+        self.cap = cap
+
+    def forward(self, x: Tensor) -> Tensor:
+        return softcap(super().forward(x), self.cap)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, cap={self.cap}"

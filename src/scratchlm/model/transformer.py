@@ -10,7 +10,8 @@ state_dict (default keys are listed in DESIGN.md):
 - use_rmsnorm=False: ln1, ln2 and ln_final are identities, so their `.weight` keys are absent.
 - use_rope=False (NoPE): no positional information except the causal mask; no keys change
   (RoPE has no parameters).
-- ffn="silu": ungated `w2(silu(w1 x))`, so `ffn.w3.weight` is absent. ffn="moe" asks
+- ffn="silu": ungated `w2(silu(w1 x))`, so `ffn.w3.weight` is absent. ffn="relu2": ungated
+  `w2(relu(w1 x)²)` (`layers.ReLU2FFN`), `ffn.w3.weight` absent too. ffn="moe" asks
   `scratchlm.model.moe.build_moe_ffn(d_model, d_ff, device=, dtype=, **moe_options)` for the
   module (build_model takes the options from the config's `moe_*` fields through
   `scratchlm.model.moe.moe_options(cfg)`); the keys under `ffn.` are then the MoE's own.
@@ -20,6 +21,13 @@ state_dict (default keys are listed in DESIGN.md):
   state dict with or without `lm_head.weight` (if present it must equal the embedding). The
   shared matrix gets the lm_head's initialisation: the N(0, 1) embedding scale would start
   training with logits of std sqrt(d_model).
+- logit_softcap=c > 0: logits = c·tanh(logits / c); `lm_head` is a `layers.SoftcappedLinear`,
+  so decoding, which calls `lm_head` on the hidden states, caps them too. No keys change.
+- zero_init_output=True: each block's `attn.output_proj.weight` and `ffn.w2` (for MoE the
+  experts' stacked `w2`) start at zero, so every block starts as the identity and the residual
+  stream as the embeddings (the modded-nanogpt speedrun's init). `lm_head` keeps its init: tied,
+  it is the embedding table, and a zero head too would leave only itself a gradient at the first
+  step. No keys change.
 - attention_backend: "math" or another name registered in `attention_backends.ATTENTION_BACKENDS`
   ("flash_torch", "flash_triton", ...; see attention_backends.py); no keys change.
 - qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
@@ -40,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.model.attention import MultiHeadSelfAttention
-from scratchlm.model.layers import Embedding, Linear, RMSNorm, SiLUFFN, SwiGLU
+from scratchlm.model.layers import Embedding, Linear, ReLU2FFN, RMSNorm, SiLUFFN, SoftcappedLinear, SwiGLU
 from scratchlm.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -72,9 +80,11 @@ def _make_ffn(kind: str, d_model: int, d_ff: int, moe_options: dict[str, Any] | 
         return SwiGLU(d_model, d_ff, device=device, dtype=dtype, fused=fused)
     if kind == "silu":
         return SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "relu2":
+        return ReLU2FFN(d_model, d_ff, device=device, dtype=dtype)
     if kind == "moe":
         return _moe_module().build_moe_ffn(d_model, d_ff, device=device, dtype=dtype, **(moe_options or {}))
-    raise ValueError(f"unknown ffn {kind!r}; choose 'swiglu', 'silu' or 'moe'")
+    raise ValueError(f"unknown ffn {kind!r}; choose 'swiglu', 'silu', 'relu2' or 'moe'")
 
 
 class TransformerBlock(nn.Module):
@@ -172,6 +182,8 @@ class TransformerLM(nn.Module):
         packed_qkv_backward: bool = True,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
+        logit_softcap: float = 0.0,
+        zero_init_output: bool = False,
         device=None,
         dtype=None,
     ) -> None:
@@ -210,7 +222,14 @@ class TransformerLM(nn.Module):
             for i in range(num_layers)
         )
         self.ln_final = _make_norm(use_rmsnorm, d_model, rmsnorm_eps, device, dtype)
-        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        self.logit_softcap = logit_softcap
+        if logit_softcap > 0:
+            self.lm_head = SoftcappedLinear(d_model, vocab_size, logit_softcap, device=device, dtype=dtype)
+        else:
+            self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        if zero_init_output:
+            for block in self.layers:
+                _zero_output_projections(block)
         if tie_embeddings:
             self.token_embeddings.weight = self.lm_head.weight
             self.register_state_dict_post_hook(_drop_tied_lm_head)
@@ -273,6 +292,15 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask))
 
 
+@torch.no_grad()
+def _zero_output_projections(block: TransformerBlock) -> None:
+    """Zero the matrices that write a block's branches into the residual stream."""
+    block.attn.output_proj.weight.zero_()
+    w2 = getattr(block.ffn, "w2", None)
+    if w2 is not None:
+        (w2.weight if isinstance(w2, nn.Module) else w2).zero_()
+
+
 def _drop_tied_lm_head(module: nn.Module, state_dict: dict[str, Tensor], prefix: str, local_metadata) -> None:
     state_dict.pop(prefix + "lm_head.weight", None)
 
@@ -316,6 +344,8 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         packed_qkv_backward=cfg.packed_qkv_backward,
         rmsnorm_eps=cfg.rmsnorm_eps,
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
+        logit_softcap=cfg.logit_softcap,
+        zero_init_output=cfg.zero_init_output,
         device=device,
         dtype=dtype,
     )

@@ -66,32 +66,42 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-            if group.get("fused") and _step_fused(group, params, self.state):
-                continue
-            use_foreach = group["foreach"]
-            if use_foreach is None:
-                use_foreach = _same_cuda_device(params)
-            (_step_foreach if use_foreach else _step_single)(group, params, self.state)
+            adamw_group_step(group, self.state)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; `step` counters saved as tensors (by torch.optim) become ints."""
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = int(state["step"].item())
+        steps_to_int(self.state)
+
+
+def steps_to_int(states: dict) -> None:
+    """`step` counters saved as tensors (by torch.optim) as ints, in place."""
+    for state in states.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = int(state["step"].item())
+
+
+def adamw_group_step(group: dict[str, Any], states: dict) -> None:
+    """One AdamW update of the parameters of `group` that have a gradient (state in `states`)."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients")
+        state = states[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+    if group.get("fused") and _step_fused(group, params, states):
+        return
+    use_foreach = group["foreach"]
+    if use_foreach is None:
+        use_foreach = _same_cuda_device(params)
+    (_step_foreach if use_foreach else _step_single)(group, params, states)
 
 
 def _same_cuda_device(params: list[torch.Tensor]) -> bool:

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULE_NAMES = ("cosine", "linear", "constant")
+OPTIMIZER_NAMES = ("adamw", "muon")
+SCHEDULE_NAMES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "1-sqrt")
 
 
 @dataclass
 class OptimConfig:
+    # "adamw", or "muon": Muon (scratchlm.optim.muon) for the 2-D weights of the blocks, AdamW for
+    # embeddings, lm_head and norm gains. Muon's updates are scaled to AdamW's RMS, so lr, the
+    # schedule and weight_decay carry over; single-process and DDP-style runs (not zero1/fsdp).
+    name: str = "adamw"
+    muon_lr: float | None = None  # muon: peak rate of the Muon matrices; None = optim.lr
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon matrices
     lr: float = 1e-3  # peak learning rate after warm-up
     min_lr: float = 1e-4  # floor reached at the end of the decay (cosine/linear)
     warmup_steps: int = 100  # linear warm-up from 0 over this many optimizer steps
     cosine_steps: int | None = None  # step at which the decay reaches min_lr; None = trainer.max_steps
-    schedule: str = "cosine"  # "cosine", "linear" (decay) or "constant" (after warm-up)
+    schedule: str = "cosine"  # "cosine", "linear" (decay), "constant" (after warm-up) or "wsd" (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: the decay to min_lr takes this last fraction of the run
+    decay_shape: str = "linear"  # wsd: "linear" or "1-sqrt" decay
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay (0.95 is steadier than 0.999 for LMs)
     eps: float = 1e-8  # AdamW denominator epsilon
@@ -26,10 +36,20 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optim.lr and optim.min_lr must be >= 0, got {self.lr} and {self.min_lr}")
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
+        if self.muon_lr is not None and self.muon_lr < 0:
+            raise ValueError(f"optim.muon_lr must be >= 0 or none, got {self.muon_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"optim.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"optim.decay_shape must be one of {', '.join(DECAY_SHAPES)}, got {self.decay_shape!r}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps < 0:

@@ -19,9 +19,25 @@ class TrainerConfig:
     out_dir: str = "runs/default"  # run directory (config, metrics, checkpoints, plots)
     batch_size: int = 32  # sequences per optimizer step (global, across accumulation and ranks)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
-    max_steps: int = 5000  # optimizer steps
+    max_steps: int = 5000  # optimizer steps (with time_budget_s: the most the budget may reach)
+    # Wall-clock budget in seconds; 0 = off. The run trains until its training clock reaches the
+    # budget (or max_steps), then checkpoints, evaluates and finishes. The clock starts with the
+    # first step and counts compilation and warm-up, not evaluations or checkpoint writes; a
+    # resumed run continues it. The learning-rate decay then follows elapsed / budget instead of
+    # step / max_steps (the warm-up stays optim.warmup_steps steps), so warm-up, cosine, linear
+    # and WSD decays end when the time does. The schedule then depends on the machine's speed:
+    # such runs are NOT bitwise reproducible, even with `deterministic`.
+    time_budget_s: float = 0.0
+    # Sequence-length warm-up over this many first steps (0 = off): each row of a batch is cut
+    # into shorter windows, 1/8, 1/4, 1/2 of context_length for a quarter of the steps each, then
+    # whole rows. The tokens of a step and their targets stay the same, only attention spans
+    # less; four sizes, so compiled graphs are reused. context_length must divide by 8.
+    seq_len_warmup_steps: int = 0
     eval_interval: int = 500  # steps between validation passes; 0 = only at the end
     eval_batches: int = 20  # validation windows: the first eval_batches x batch_size (global), every pass
+    # The last evaluation of the run (at max_steps or at the time budget) scores the whole
+    # validation file instead of the first eval_batches x batch_size windows.
+    final_eval_full: bool = False
     eval_at_start: bool = True  # also evaluate before the first step (the baseline loss)
     log_interval: int = 10  # steps between console/metrics lines (train loss is averaged over them)
     checkpoint_interval: int = 1000  # steps between checkpoints; 0 = only at the end
@@ -31,6 +47,11 @@ class TrainerConfig:
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" ("float32", "bfloat16" too)
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    # With compile: where torch.compile's on-disk caches live (compiled graphs, autotuning, Dynamo's
+    # dynamic-shape profile), so a later run of the same model starts faster. "" = torch's default
+    # (/tmp/torchinductor_<user>, lost when /tmp is cleaned); "auto" = ~/.cache/scratchlm/compile;
+    # or a path. See scratchlm.train.compile_cache.
+    compile_cache_dir: str = ""
     # Evaluate with the compiled model too. Off: single-process evaluation runs the model eagerly,
     # which spares a second compilation (no_grad) and, under reduce-overhead, a second set of
     # CUDA graphs; worth turning on only for long evaluations of large models.
@@ -58,9 +79,11 @@ class TrainerConfig:
         for name in ("batch_size", "grad_accum_steps", "eval_batches", "log_interval", "activation_checkpointing_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
+        for name in ("max_steps", "seq_len_warmup_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.time_budget_s >= 0:
+            raise ValueError(f"trainer.time_budget_s must be >= 0 (0 = no budget), got {self.time_budget_s}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.batch_size % self.grad_accum_steps:

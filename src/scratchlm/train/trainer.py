@@ -1,9 +1,10 @@
 """The training loop: builds model, optimizer and data sampler from a TrainConfig and runs them.
 
 One optimizer step = `grad_accum_steps` micro-batches forward/backward (loss scaled by
-1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW step with the
-scheduled learning rate. Update number ``s`` (1-based) uses ``learning_rate(s)``, so the
-first update is not wasted at lr 0 and the last one uses `min_lr`.
+1/accum), gradient sync (parallel runs), global-norm clipping, an AdamW (or, with
+``optim.name = "muon"``, Muon) step with the scheduled learning rate. Update number ``s``
+(1-based) uses ``learning_rate(s)``, so the first update is not wasted at lr 0 and the last one
+uses `min_lr`.
 
 Resuming is exact: a checkpoint holds weights, optimizer state, RNG states, the sampler's
 position and the partial train-loss window, and on resume metrics.jsonl is cut back to the
@@ -12,6 +13,16 @@ same losses as an uninterrupted one (tests/train/test_trainer.py checks this).
 
 Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
 never costs the newest checkpoint.
+
+The training clock (``elapsed_s`` in every train and eval record) runs from the first step of
+`fit`, compilation and warm-up included, and stops during evaluations and checkpoint writes
+(after waiting for the GPU's queued work), so evaluating more often does not change how much a
+time budget trains; a resumed run continues it from the checkpoint. With
+``trainer.time_budget_s`` the run stops when the clock reaches the budget and the learning-rate
+decay follows elapsed / budget (`scratchlm.optim.schedule.budget_lr`); in parallel runs the
+ranks average their clocks once a step, so they agree on the rate and on when to stop. Records
+also carry ``tokens`` (trained so far); eval records carry ``tokens_per_s``, the mean rate on the
+training clock, and ``val_tokens``, the number of tokens scored.
 
 Mixture-of-experts models (``model.ffn="moe"``): each micro-batch backpropagates
 ``cross_entropy + moe_aux_coef · Σ_layers load_balance + moe_z_coef · Σ_layers z_loss`` (scaled
@@ -24,6 +35,12 @@ layers (1.0 is perfectly uniform routing for the first), with the dropped-assign
 router entropy and per-layer expert utilisation (`scratchlm.model.moe.moe_record`), all averaged
 over the micro-batches of the log window. The router statistics are summed on the device and
 read once per log interval, like the loss.
+
+Sequence-length warm-up (``trainer.seq_len_warmup_steps``): early steps train on the same
+tokens cut into shorter windows (`warmup_seq_len`, `split_windows`): attention over a short
+context is cheaper and the early model learns mostly local statistics anyway. Only the window
+shape changes with the step, so resuming stays exact; under torch.compile the four shapes give
+at most a few recompilations (Dynamo turns the shape dynamic at the second one).
 
 Every run goes through a parallel strategy (`scratchlm.parallel.strategy.Strategy`; the
 single-process one for ``parallel.strategy = "none"``), and `scratchlm.parallel.parallelize`
@@ -52,8 +69,7 @@ from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
-from scratchlm.optim import learning_rate
-from scratchlm.optim.adamw import AdamW, param_groups
+from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
@@ -66,10 +82,50 @@ from scratchlm.train.metrics import (
 from scratchlm.train.run_dir import copy_tokenizer, environment_info
 
 log = logging.getLogger("scratchlm.train")
+_clock = time.perf_counter  # the training clock's time source (tests substitute a fake one)
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "seed_everything"]
+__all__ = ["Trainer", "seed_everything", "warmup_seq_len"]
+
+SEQ_LEN_STAGES = 4  # trainer.seq_len_warmup_steps: windows of 1/8, 1/4, 1/2, then all of context_length
+
+
+def warmup_seq_len(step: int, context_length: int, warmup_steps: int, stages: int = SEQ_LEN_STAGES) -> int:
+    """Training window length of update `step` (1-based) under a sequence-length warm-up.
+
+    The first `warmup_steps` updates are split into `stages` equal spans using
+    context_length / 2^(stages-1), ..., / 2, then whole windows (also after the warm-up).
+    Example: [warmup_seq_len(s, 16, 8) for s in range(1, 10)] == [2, 2, 4, 4, 8, 8, 16, 16, 16].
+    """
+    if step > warmup_steps:
+        return context_length
+    stage = (step - 1) * stages // warmup_steps  # 0 .. stages-1
+    return context_length >> (stages - 1 - stage)
+
+
+def split_windows(x: torch.Tensor, y: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) inputs and targets as (B·T/length, length): the same tokens and targets, each row
+    cut into consecutive windows (y is x shifted by one, so every piece keeps its own targets)."""
+    B, T = x.shape
+    if length == T:
+        return x, y
+    return x.reshape(B * T // length, length), y.reshape(B * T // length, length)
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    """Refuse option pairs that cannot work together, before anything is built or written."""
+    tc = cfg.trainer
+    if tc.fused_lm_head and cfg.model.logit_softcap:
+        raise UserError("trainer.fused_lm_head computes the loss from uncapped logits: turn it off to train "
+                        "with model.logit_softcap")
+    stages = 2 ** (SEQ_LEN_STAGES - 1)
+    if tc.seq_len_warmup_steps and cfg.model.context_length % stages:
+        raise UserError(f"trainer.seq_len_warmup_steps cuts windows to 1/{stages} of model.context_length, "
+                        f"so context_length must divide by {stages}, not {cfg.model.context_length}")
+    if tc.time_budget_s and cfg.optim.cosine_steps is not None:
+        raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
+                        "follows the clock: leave optim.cosine_steps unset")
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -97,6 +153,7 @@ class Trainer:
         from scratchlm.model.transformer import build_model
 
         tc = cfg.trainer
+        _check_combinations(cfg)
         strategy = strategy or engine or init_strategy(cfg.parallel, device=tc.device)
         self.cfg, self.run_dir, self.strategy = cfg, Path(run_dir), strategy
         self.rank, self.world_size, self.is_main = strategy.rank, strategy.world_size, strategy.is_main
@@ -107,12 +164,18 @@ class Trainer:
         self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
         self.raw_model = build_model(cfg.model, device=self.device)
+        if tc.compile:
+            self._use_compile_cache()
         run = parallelize(self.raw_model, tc, strategy)
         self.model, self._loss_fn, self._head_inputs = run.model, run.loss_fn, run.head_inputs
         self._cudagraphs = run.cudagraphs
         self.optimizer = self._build_optimizer()
-
         self.step = 0
+        self._tokens = 0  # tokens trained on so far (all ranks)
+        self._elapsed = 0.0  # the training clock after the last step, agreed by the ranks
+        self._clock_start: float | None = None  # _clock() when this fit() started the clock
+        self._clock_base = 0.0  # seconds on the clock before that (earlier fits, a resumed run)
+        self._clock_paused = 0.0  # seconds of evaluation and checkpointing since _clock_start
         self._last_plot = time.monotonic()
         self._window_loss = torch.zeros((), device=self.device)
         self._window_steps = 0
@@ -150,6 +213,17 @@ class Trainer:
         """The strategy (its older name)."""
         return self.strategy
 
+    def _use_compile_cache(self) -> None:
+        """`trainer.compile_cache_dir`, with a job name from what the compiled graphs depend on."""
+        from scratchlm.train.compile_cache import use_compile_cache
+
+        tc = self.cfg.trainer
+        shape = {k: getattr(tc, k) for k in ("batch_size", "grad_accum_steps", "compile_mode", "fused_lm_head",
+                                             "activation_checkpointing", "activation_checkpointing_every",
+                                             "seq_len_warmup_steps")}
+        job = config_to_toml(self.cfg.model) + repr(sorted(shape.items())) + f"{self.world_size} {self.device.type}"
+        use_compile_cache(tc.compile_cache_dir, job_text=job)
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
         if self._head_inputs is not None:
@@ -162,11 +236,14 @@ class Trainer:
         return self._loss_fn(logits, y)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
+        from scratchlm.parallel.strategies.sharded import ShardedStateStrategy
+
         oc = self.cfg.optim
-        groups = lambda plain: param_groups(plain, oc.weight_decay, decay_vectors=oc.decay_vectors)  # noqa: E731
-        return self.strategy.build_optimizer(self.model, AdamW, params=groups, lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                                             eps=oc.eps, weight_decay=oc.weight_decay, foreach=oc.foreach,
-                                             fused=oc.fused)
+        if oc.name == "muon" and isinstance(self.strategy, ShardedStateStrategy):
+            raise UserError(f"optim.name='muon' needs whole matrices on every rank, which "
+                            f"parallel.strategy={self.strategy.name!r} shards: use 'none' or a DDP strategy, or adamw")
+        optimizer_cls, groups, kwargs = optimizer_spec(oc)
+        return self.strategy.build_optimizer(self.model, optimizer_cls, params=groups, **kwargs)
 
     # ------------------------------------------------------------------ the loop
 
@@ -180,17 +257,25 @@ class Trainer:
         tc = self.cfg.trainer
         stop = tc.max_steps if until is None else min(until, tc.max_steps)
         last: dict[str, Any] = {}
+        spent = self._budget_spent()  # a resumed run whose time budget ran out before
         if self.step == 0 and tc.eval_at_start and self.data.has_validation:
             last["eval"] = self._evaluate()
-        elif self.step and self._eval_due(self.step) and not self._has_eval_record(self.step):
-            last["eval"] = self._evaluate()  # the run stopped between its checkpoint and this eval
+        elif (self.step and (self._eval_due(self.step) or (spent and self.data.has_validation))
+              and not self._has_eval_record(self.step)):
+            # the run stopped between its checkpoint and this eval
+            last["eval"] = self._evaluate(final=spent or self.step == tc.max_steps)
+        if spent:
+            log.info("the time budget of %s was spent at step %d; nothing to train", self.run_dir, self.step)
+            return last
         bar = self._progress_bar(stop)
         out_of_time = False
+        self._start_clock()
         try:
             while self.step < stop and not out_of_time:
                 self._train_step()
                 bar.update(1)
-                out_of_time = deadline is not None and time.monotonic() > deadline and self.step < stop
+                out_of_time = ((deadline is not None and time.monotonic() > deadline) or self._budget_spent()) \
+                    and self.step < stop
                 if self.step % tc.log_interval == 0 or self.step == tc.max_steps or out_of_time:
                     last["train"] = self._log_train()
                     bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
@@ -198,26 +283,78 @@ class Trainer:
                 if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
                     self.save_checkpoint()
                 if self._eval_due(self.step) or (out_of_time and self.data.has_validation):
-                    last["eval"] = self._evaluate()
+                    last["eval"] = self._evaluate(final=out_of_time or self.step == tc.max_steps)
         finally:
             bar.close()
+            self._stop_clock()
         if out_of_time:
-            log.info("time budget reached at step %d of %d", self.step, tc.max_steps)
+            log.info("time budget reached at step %d of %d (%.1f s)", self.step, tc.max_steps, self._elapsed)
         if (self.step == tc.max_steps and until is None) or out_of_time:
             self._finish()
         return last
 
+    # ------------------------------------------------------------------ the training clock
+
+    def _train_seconds(self) -> float:
+        """This rank's training clock now (see the module docstring)."""
+        if self._clock_start is None:
+            return self._clock_base
+        return self._clock_base + _clock() - self._clock_start - self._clock_paused
+
+    def _start_clock(self) -> None:
+        self._clock_start, self._clock_paused = _clock(), 0.0
+
+    def _stop_clock(self) -> None:
+        self._clock_base = self._train_seconds()
+        self._clock_start = None
+
+    @contextlib.contextmanager
+    def _clock_paused_for(self):
+        """Stop the training clock inside (evaluation, checkpoints), once the device's queued work is done."""
+        if self._clock_start is None:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the steps' queued kernels are training time
+        start = _clock()
+        try:
+            yield
+        finally:
+            self._clock_paused += _clock() - start
+
+    def _read_clock(self) -> None:
+        """Set `_elapsed` after a step: with a time budget the ranks' mean, so they all agree."""
+        elapsed = self._train_seconds()
+        if self.cfg.trainer.time_budget_s and self.world_size > 1:
+            elapsed = self.strategy.all_reduce_mean(elapsed)
+        self._elapsed = elapsed
+
+    def _budget_spent(self) -> bool:
+        budget = self.cfg.trainer.time_budget_s
+        return budget > 0 and self._elapsed >= budget
+
+    def _scheduled_lr(self) -> float:
+        """The learning rate of the next update: by step, or with a time budget by the clock."""
+        tc = self.cfg.trainer
+        progress = self._elapsed / tc.time_budget_s if tc.time_budget_s else None
+        return learning_rate(self.cfg.optim, self.step + 1, tc.max_steps, progress=progress)
+
+    # ------------------------------------------------------------------ one step
+
     def _train_step(self) -> None:
         tc, oc = self.cfg.trainer, self.cfg.optim
-        lr = learning_rate(oc, self.step + 1, tc.max_steps)
+        lr = self._scheduled_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices: optim.muon_lr / optim.lr
         accum = tc.grad_accum_steps
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accum):
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()  # last micro-step's graph outputs may be reused
             x, y = self.data.next_batch(self.device)
+            if tc.seq_len_warmup_steps:
+                length = warmup_seq_len(self.step + 1, self.cfg.model.context_length, tc.seq_len_warmup_steps)
+                x, y = split_windows(x, y, length)
             with self._no_sync(micro < accum - 1):
                 loss = self._loss(x, y) / accum
             step_loss += loss.detach()
@@ -235,7 +372,10 @@ class Trainer:
         self._lr = lr
         self._window_loss += step_loss
         self._window_steps += 1
-        self.throughput.add(tc.batch_size * self.cfg.model.context_length)
+        tokens = tc.batch_size * self.cfg.model.context_length
+        self._tokens += tokens
+        self.throughput.add(tokens)
+        self._read_clock()
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -254,7 +394,7 @@ class Trainer:
             raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
         record = {"event": "train", "step": self.step, "loss": loss, "lr": self._lr,
                   "grad_norm": float(self._grad_norm), **self.throughput.measure(self.device),
-                  "memory_gb": memory_gb(self.device), **moe}
+                  "memory_gb": memory_gb(self.device), "elapsed_s": self._elapsed, "tokens": self._tokens, **moe}
         self._window_loss.zero_()
         self._window_steps = 0
         self._emit(record)
@@ -271,7 +411,13 @@ class Trainer:
         return path.is_file() and any(r.get("event") == "eval" and r.get("step") == step
                                       for r in read_metrics(path))
 
-    def _evaluate(self) -> dict[str, Any]:
+    def _evaluate(self, *, final: bool = False) -> dict[str, Any]:
+        """Validation loss over the first eval_batches x batch_size windows; with `final` and
+        `trainer.final_eval_full`, over the whole validation file. The training clock stops meanwhile."""
+        with self._clock_paused_for():
+            return self._evaluate_now(final)
+
+    def _evaluate_now(self, final: bool) -> dict[str, Any]:
         # Distributed wrappers must run the forward (FSDP gathers the weights); alone, the eager
         # module gives the same loss without compiling a no_grad graph.
         eager = self.strategy.eval_plain_model and not self.cfg.trainer.compile_eval
@@ -280,7 +426,8 @@ class Trainer:
         try:
             # A fixed set of windows (eval_batches global batches), so the loss does not depend on
             # the micro-batch size or the number of ranks; ranks add up their token sums.
-            windows = self.cfg.trainer.eval_batches * self.cfg.trainer.batch_size
+            tc = self.cfg.trainer
+            windows = None if final and tc.final_eval_full else tc.eval_batches * tc.batch_size
             with self._autocast():
                 total, count = evaluation_totals(model, self.data.eval_batches(windows, self.device))
         finally:
@@ -289,7 +436,10 @@ class Trainer:
         if count == 0:
             raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
         loss = total / count
-        record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)}
+        rate = self._tokens / self._elapsed if self._elapsed > 0 else None
+        record = {"event": "eval", "step": self.step, "val_loss": loss, "val_ppl": perplexity(loss),
+                  "val_tokens": round(count * self.world_size), "elapsed_s": self._elapsed, "tokens": self._tokens,
+                  "tokens_per_s": rate}
         self._emit(record)
         if self.is_main and time.monotonic() - self._last_plot > PLOT_EVERY_S:
             self._plot()  # mid-run plots of long runs; the end of training always plots
@@ -332,12 +482,17 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write RUN/checkpoints/step_N atomically (all ranks call this in parallel runs)."""
+        with self._clock_paused_for():
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         model_state = self.strategy.full_state_dict(self.model)
         optim_state = self.strategy.optimizer_state_dict(self.optimizer)
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
                  "sampler": self.data.state_dict(),
                  "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps,
-                          "moe_window": None if self._moe_window is None else self._moe_window.tolist()}}
+                          "moe_window": None if self._moe_window is None else self._moe_window.tolist(),
+                          "elapsed_s": self._elapsed, "tokens": self._tokens}}
         if self.is_main:
             staging = ckpt.staging_dir(self.run_dir, self.step)
         self.strategy.barrier()
@@ -378,6 +533,10 @@ class Trainer:
         self.step = int(state["step"])
         self._window_loss.fill_(state["loop"]["window_loss"])
         self._window_steps = int(state["loop"]["window_steps"])
+        # Checkpoints written before the clock was saved restart it at 0.
+        self._elapsed = self._clock_base = float(state["loop"].get("elapsed_s", 0.0))
+        self._tokens = int(state["loop"].get("tokens", self.step * self.cfg.trainer.batch_size
+                                             * self.cfg.model.context_length))
         if self._moe_window is not None and state["loop"].get("moe_window") is not None:
             self._moe_window.copy_(torch.tensor(state["loop"]["moe_window"]))
         if self.is_main:

@@ -1,0 +1,175 @@
+"""Muon: Newton-Schulz against the SVD, one step against a hand-written reference, the AdamW
+groups against AdamW, and training, checkpoints and refusals through the trainer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scratchlm.optim.adamw import AdamW
+from scratchlm.optim.muon import Muon, muon_param_groups, newton_schulz
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (32, 48), (256, 96), (300, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_newton_schulz_keeps_the_singular_vectors_and_brings_the_values_near_one(shape, dtype):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]))
+    o = newton_schulz(g, dtype=dtype)
+    assert o.dtype == g.dtype and o.shape == g.shape
+    P, S, Qh = torch.linalg.svd(g, full_matrices=False)
+    # In g's singular basis the output is diagonal: the same singular vectors, new values.
+    d = P.mT @ o @ Qh.mT
+    values = torch.diagonal(d)
+    off = d - torch.diag(values)
+    assert off.abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
+    assert 0.5 <= values.min() and values.max() <= 1.5, (values.min(), values.max())
+    assert torch.linalg.svdvals(o).min() >= 0.5 and torch.linalg.svdvals(o).max() <= 1.5
+
+
+def test_newton_schulz_on_square_matrices_and_stacks():
+    g = torch.randn(3, 128, 128, generator=torch.Generator().manual_seed(0))
+    o = newton_schulz(g)
+    s = torch.linalg.svdvals(o.float())
+    # a random square matrix has a few tiny singular values that five steps do not lift; the bulk is near 1
+    assert ((s >= 0.5) & (s <= 1.5)).float().mean() > 0.9
+    assert torch.allclose(o[1], newton_schulz(g[1]))  # a stack is each matrix on its own
+
+
+def _reference_muon(w, grads, lr, momentum, wd):
+    """Muon by hand, float32: momentum, Nesterov, five quintic Newton-Schulz steps, RMS scale."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    w = w.clone()
+    buf = torch.zeros_like(w)
+    for g in grads:
+        buf = momentum * buf + g
+        u = g + momentum * buf
+        x = u.T if u.shape[0] > u.shape[1] else u
+        x = x / (x.norm() + 1e-7)
+        for _ in range(5):
+            A = x @ x.T
+            x = a * x + (b * A + c * A @ A) @ x
+        o = x.T if u.shape[0] > u.shape[1] else x
+        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape)) * o
+    return w
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_steps_equal_the_hand_written_reference(shape):
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = Muon([p], lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    expected = _reference_muon(w0, grads, lr=0.05, momentum=0.9, wd=0.1)
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-5)
+    # the update's RMS is what the scale promises: 0.2 per unit of lr
+    q = torch.nn.Parameter(w0.clone())
+    step = Muon([q], lr=1.0, momentum=0.0)
+    q.grad = grads[0].clone()
+    step.step()
+    assert (q.detach() - w0).pow(2).mean().sqrt() == pytest.approx(0.2, rel=0.15)
+
+
+def test_non_muon_groups_are_adamw_bit_for_bit():
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    a = [torch.nn.Parameter(p.clone()) for p in params]
+    b = [torch.nn.Parameter(p.clone()) for p in params]
+    ref = AdamW([{"params": a[:1], "weight_decay": 0.1}, {"params": a[1:], "weight_decay": 0.0}],
+                lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    muon = Muon([{"params": b[:1], "weight_decay": 0.1, "muon": False},
+                 {"params": b[1:], "weight_decay": 0.0, "muon": False}], lr=1e-2, betas=(0.9, 0.95))
+    for gs in grads:
+        for x, y, g in zip(a, b, gs):
+            x.grad, y.grad = g.clone(), g.clone()
+        ref.step()
+        muon.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_param_groups_put_only_the_blocks_matrices_under_muon():
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.transformer import build_model
+
+    model = build_model(ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=24))
+    groups = muon_param_groups(model, 0.1, lr=1e-3, muon_lr=2e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for p in groups[0]["params"])
+    assert groups[0]["muon"] and groups[0]["lr"] == 2e-3 and groups[0]["lr_scale"] == pytest.approx(2.0)
+    assert muon == sorted(n for n in names.values() if n.startswith("layers.") and n.endswith("_proj.weight")
+                          or ".ffn.w" in n)
+    rest = {names[id(p)] for g in groups[1:] for p in g["params"]}
+    assert {"token_embeddings.weight", "lm_head.weight", "ln_final.weight", "layers.0.ln1.weight"} <= rest
+    assert len(muon) + len(rest) == len(names)
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.zeros(3))])
+
+
+# ---------------------------------------------------------------- through the trainer
+
+
+def _muon_cfg(tmp_path, **optim):
+    from tests.train.small_runs import make_cfg
+
+    cfg = make_cfg(tmp_path)
+    return replace(cfg, optim=replace(cfg.optim, name="muon", **optim))
+
+
+def test_a_tiny_model_learns_with_muon_on_cpu(tmp_path):
+    from scratchlm.cli.train import run_training
+    from tests.train.small_runs import losses
+
+    cfg = _muon_cfg(tmp_path, muon_lr=2e-2)
+    run_training(cfg)
+    evals = losses(tmp_path / "run", "eval", "val_loss")
+    assert evals[-1][1] < evals[0][1] - 0.5
+    assert all(math.isfinite(loss) for _, loss in losses(tmp_path / "run"))
+
+
+def test_an_interrupted_muon_run_resumes_exactly(tmp_path, monkeypatch):
+    from scratchlm.cli.train import run_training
+    from scratchlm.train import checkpoint as ckpt
+    from scratchlm.train.data_feed import TrainData
+    from tests.train.small_runs import losses
+
+    cfg = _muon_cfg(tmp_path)
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_training(replace(cfg, trainer=replace(cfg.trainer, out_dir=str(straight))))
+    state = ckpt.read_torch(ckpt.latest_step_dir(straight) / ckpt.OPTIMIZER)
+    kinds = {frozenset(s) for s in state["state"].values()}
+    assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
+
+    real, calls = TrainData.next_batch, {"n": 0}
+
+    def crash_at_step_7(self, device):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("node lost")
+        return real(self, device)
+
+    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
+    broken_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(broken)))
+    with pytest.raises(RuntimeError, match="node lost"):
+        run_training(broken_cfg)
+    monkeypatch.setattr(TrainData, "next_batch", real)
+    run_training(broken_cfg, resume=True)
+    assert losses(broken) == losses(straight)  # bitwise: momentum and moments came back
+    a, b = (ckpt.load_weights(ckpt.latest_step_dir(r) / ckpt.WEIGHTS) for r in (straight, broken))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_muon_is_refused_under_a_sharded_strategy(tmp_path):
+    from scratchlm.cli.train import run_training
+    from scratchlm.errors import UserError
+
+    cfg = _muon_cfg(tmp_path)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, strategy="zero1", backend="gloo"))
+    with pytest.raises(UserError, match="optim.name='muon'.*zero1"):
+        run_training(cfg)
