@@ -253,7 +253,7 @@ def _model_with_vocab(vocab_size: int):
 
 
 def _randomize_hf(model, seed: int):
-    # Hugging Face starts norms at one and biases at zero; make every parameter matter.
+    # Hugging Face starts norms at one, biases at zero and weights small; make every parameter matter.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -261,6 +261,8 @@ def _randomize_hf(model, seed: int):
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:  # far from the 0.02 init, so that attention moves the logits
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     return model.eval()
 
 
