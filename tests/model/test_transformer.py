@@ -112,6 +112,7 @@ VARIANTS = [
     {"ffn": "silu"},
     {"tie_embeddings": True},
     {"attention_backend": "flash_torch"},
+    {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "sliding_window": 5},
 ]
 
 
@@ -330,3 +331,19 @@ def test_fused_projections_match_separate_ones_on_gpu(compiled, packed_qkv_backw
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
     for (name, p), q in zip(separate.named_parameters(), fused.parameters()):
         assert ((p.grad - q.grad).norm() / p.grad.norm()).item() < 2e-2, name
+
+
+def test_attention_variants_from_config_keys_and_validation():
+    cfg = ModelConfig(**TINY, num_kv_heads=2, qk_norm=True, qkv_bias=True, sliding_window=5, rmsnorm_eps=1e-6)
+    model = build_model(cfg)
+    attn = model.layers[1].attn
+    assert (attn.num_kv_heads, attn.sliding_window, attn.q_norm.eps) == (2, 5, 1e-6)
+    keys = set(model.state_dict())
+    for name in ("q_norm.weight", "k_norm.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+        assert f"layers.1.attn.{name}" in keys
+    assert "layers.0.attn.output_proj.bias" not in keys
+    assert not any("norm" in k and ".attn." in k for k in build_model(ModelConfig(**TINY)).state_dict())
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig(**TINY, num_kv_heads=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig(**TINY, sliding_window=0)
