@@ -87,8 +87,9 @@ class BiasedLinear(Linear):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        # F.linear, so autocast casts the bias with the weight (x Wᵀ + b would promote to float32)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        # F.linear, so autocast casts the bias with the weight (x Wᵀ + b would promote to float32);
+        # the bias follows the weight's dtype where it is cast without autocast (FSDP's compute dtype)
+        return torch.nn.functional.linear(x, self.weight, self.bias.to(self.weight.dtype))
 
 
 class MultiHeadSelfAttention(nn.Module):

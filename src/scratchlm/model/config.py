@@ -34,7 +34,8 @@ class ModelConfig:
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
     attention_backend: str = "math"  # "math" (reference) or another name in attention_backends.ATTENTION_BACKENDS
     # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
-    # map they form (as a fused qkv nn.Linear); "separate" sqrt(2/(d+d)) each (before Dec 2026).
+    # map they form (as a fused qkv nn.Linear; d -> d + 2·kv_dim with num_kv_heads); "separate"
+    # sqrt(2/(d+d)) each (before Dec 2026), sqrt(2/(d+kv_dim)) for k and v with num_kv_heads.
     qkv_init: str = "fused"
     # Mixed-precision training computes q/k/v, and SwiGLU's w1/w3, each as one forward matmul over
     # the concatenated weights (wider GPU matmuls); parameters, names and maths are the same.
