@@ -164,3 +164,80 @@ def test_engine_is_kept_per_model_and_released(model):
     assert gen._ENGINES[model][1] is engine  # same shape: reused
     gen.release_engines(model)
     assert model not in gen._ENGINES
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    # grouped-query attention (2 kv heads for 4 query heads), QK-norm and a window shorter than
+    # the prompts plus their completions
+    torch.manual_seed(1)
+    m = TransformerLM(vocab_size=50, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                      num_kv_heads=2, qk_norm=True, sliding_window=6, dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    return m.eval()
+
+
+def _greedy_uncached(model, prompt, n):
+    # The definition: argmax of a full-sequence forward, one token at a time, no cache.
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_gqa_sliding_window_engine_equals_uncached_argmax(gqa_model):
+    from scratchlm.infer.static_cache import StaticKVCache
+
+    prompts = _prompts(5, seed=3, lo=2, hi=14)
+    ours = generate(gqa_model, prompts, 12, temperature=0)
+    assert ours == [_greedy_uncached(gqa_model, p, 12) for p in prompts]
+    assert len({tuple(o) for o in ours}) > 1
+    assert generate(gqa_model, prompts, 12, temperature=0, kv_cache="dynamic") == ours
+    assert generate(gqa_model, prompts, 12, temperature=0, use_kv_cache=False) == ours
+    cache = StaticKVCache.for_model(gqa_model, 2, 16, device="cpu")
+    assert (cache.num_heads, cache.sliding_window) == (2, 6)  # the cache holds only the kv heads
+
+
+def test_gqa_engine_refill_keeps_rows_exact(gqa_model):
+    prompts = _prompts(7, seed=4, lo=1, hi=10)
+    budgets = [3, 9, 1, 7, 12, 2, 5]
+    engine = DecodeEngine(gqa_model, slots=3, max_len=32, len_bucket=8, check_every=2)
+    with torch.inference_mode():
+        outs = engine.run(prompts, budgets, temperature=0)
+    assert outs == [_greedy_uncached(gqa_model, p, b) for p, b in zip(prompts, budgets)]
+
+
+def test_hf_qwen2_greedy_generate_equals_the_engine():
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.align.policy import HFPolicy
+
+    for window in (None, 5):
+        config = transformers.Qwen2Config(
+            vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, eos_token_id=0, bos_token_id=0,
+            use_sliding_window=window is not None, sliding_window=window, max_window_layers=0)
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        hf = transformers.Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():
+            # weights far from Hugging Face's small init, so that attention (and the window) matters
+            for name, p in hf.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.5)
+                elif p.dim() == 2:
+                    p.normal_(0, p.shape[1] ** -0.5)
+            hf.model.norm.weight.mul_(2)  # confident argmaxes
+            hf.lm_head.weight[0] -= 3  # (tied: also the embedding of) eos, rarer: longer completions
+        prompts = ["hello there", "x", "a longer prompt of text"]
+        engine = HFPolicy(hf, _CharTokenizer())
+        ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+        twin = engine._twin
+        assert twin not in (None, False)  # the engine path was taken
+        assert (twin[1].qkv_bias, twin[1].num_kv_heads, twin[1].sliding_window) == (True, 2, window)
+        theirs = HFPolicy(hf, _CharTokenizer(), use_engine=False).generate(prompts, max_new_tokens=12,
+                                                                            temperature=0.0)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert len({tuple(c.token_ids) for c in ours}) > 1

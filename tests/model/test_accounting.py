@@ -35,6 +35,9 @@ VARIANTS = [
     dict(ffn="relu2"),
     dict(ffn="relu2", tie_embeddings=True, logit_softcap=15.0, zero_init_output=True),
     dict(ffn="moe"),  # through build_model, with whatever moe_* fields ModelConfig has
+    dict(num_kv_heads=2),
+    dict(num_kv_heads=1, qk_norm=True, qkv_bias=True),
+    dict(sliding_window=16, qk_norm=True),
 ]
 MOE_VARIANTS = [
     dict(moe_num_experts=4, moe_top_k=2),
@@ -141,7 +144,9 @@ def _saved_activation_bytes(model: torch.nn.Module, T: int, V: int) -> int:
 
 
 ACTIVATION_VARIANTS = [dict(), dict(ffn="silu"), dict(use_rmsnorm=False), dict(attention_backend="flash_torch"),
-                       dict(ffn="relu2"), dict(logit_softcap=15.0)]
+                       dict(ffn="relu2"), dict(logit_softcap=15.0),
+                       dict(num_kv_heads=2), dict(num_kv_heads=1, qk_norm=True),
+                       dict(num_kv_heads=2, attention_backend="flash_torch")]
 
 
 @pytest.mark.parametrize("kwargs", ACTIVATION_VARIANTS, ids=[str(v) or "default" for v in ACTIVATION_VARIANTS])
@@ -209,3 +214,38 @@ def test_ffn_flops_by_hand():
     assert ffn_flops("moe", D, F, T, num_experts=4, top_k=2, shared=1) == 2 * T * D * 4 + 3 * (3 * 2 * T * D * F)
     with pytest.raises(ValueError, match="unknown ffn"):
         ffn_flops("relu", D, F)
+
+
+def test_gqa_params_by_hand():
+    cfg = ModelConfig(**{**SMALL, "num_kv_heads": 1, "qk_norm": True, "qkv_bias": True})
+    D, L, hd = 64, 2, 16
+    # q and output D·D, k and v D·16, biases D + 2·16, two norms of head_dim
+    assert count_params(cfg)["attention"] == L * (2 * D * D + 2 * D * hd + D + 2 * hd + 2 * hd)
+    assert forward_flops(cfg)["qkvo"] == L * 2 * 64 * D * (2 * D + 2 * hd)
+
+
+def test_kv_cache_bytes_match_the_static_cache():
+    from scratchlm.infer.static_cache import PrefillView, StaticKVCache
+    from scratchlm.model.accounting import kv_cache_bytes
+
+    cfg = ModelConfig(**{**SMALL, "num_kv_heads": 2})
+    model = build_model(cfg).eval()
+    cache = StaticKVCache.for_model(model, slots=3, max_len=40, device="cpu", dtype=torch.bfloat16)
+    with torch.no_grad():  # a prefill allocates every layer's buffers
+        model(torch.randint(0, cfg.vocab_size, (1, 5)), None, PrefillView(cache, torch.tensor([0]), 5))
+    held = sum(b.numel() * b.element_size() for bufs in (cache.k, cache.v) for b in bufs)
+    assert held == kv_cache_bytes(cfg, seq_len=40, batch_size=3)
+    assert kv_cache_bytes(cfg) * 2 == kv_cache_bytes(ModelConfig(**SMALL))  # 2 of 4 heads: half
+    assert account(cfg)["kv_cache_bytes_per_sequence"] == kv_cache_bytes(cfg)
+
+
+def test_model_flops_per_token_counts_only_the_window():
+    from scratchlm.model.accounting import model_flops_per_token
+
+    cfg = ModelConfig(vocab_size=100, d_model=8, num_layers=1, num_heads=2, d_ff=16, num_kv_heads=1,
+                      sliding_window=2)
+    model = build_model(cfg)
+    matrices = 2 * 64 + 2 * 8 * 4 + 3 * 8 * 16 + 100 * 8  # q, o; k, v of one head of 4; SwiGLU; head
+    # T = 4, W = 2: the queries see 1, 2, 2, 2 keys, 7 of the causal 10; causal is 2·T·D per token
+    assert model_flops_per_token(model, 4) == pytest.approx(2 * matrices + 2 * 4 * 8 * 7 / 10)
+    assert model_flops_per_token(model, 2) == 2 * matrices + 2 * 2 * 8  # the window covers it all

@@ -189,3 +189,206 @@ def test_fused_qkv_matches_separate_projections_and_gradients():
     (out_separate.float() * g).sum().backward()
     for name, p in fused.named_parameters():
         torch.testing.assert_close(p.grad, dict(separate.named_parameters())[name].grad, msg=name)
+
+
+# ---------------------------------------------------------------- GQA, QK-norm, sliding window
+
+
+def _gqa_and_repeated(seed=0, backend="math", **kwargs):
+    """A GQA model (4 query heads, 2 kv heads) and the same model with each kv head's rows
+    repeated into a full-head k/v (num_kv_heads = num_heads)."""
+    from scratchlm.model.transformer import TransformerLM
+
+    shape = dict(vocab_size=37, context_length=24, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+    torch.manual_seed(seed)
+    gqa = TransformerLM(**shape, num_kv_heads=2, attention_backend=backend, **kwargs)
+    full = TransformerLM(**shape, attention_backend=backend, **kwargs)
+    state = gqa.state_dict()
+    for key, w in list(state.items()):
+        if key.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            # kv head j serves query heads 2j and 2j + 1 (h // 2)
+            state[key] = w.unflatten(0, (2, -1)).repeat_interleave(2, dim=0).flatten(0, 1)
+    full.load_state_dict(state)
+    return gqa, full
+
+
+def _grads(model, ids):
+    model.zero_grad()
+    F.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend,kwargs", [
+    ("math", {}), ("math", dict(qk_norm=True, qkv_bias=True)), ("math", dict(sliding_window=5)),
+    ("flash_torch", {}),
+])
+def test_gqa_equals_the_model_with_kv_heads_repeated(backend, kwargs):
+    gqa, full = _gqa_and_repeated(backend=backend, **kwargs)
+    assert gqa.layers[0].attn.k_proj.weight.shape == (16, 32)
+    ids = torch.randint(0, 37, (3, 20))
+    torch.testing.assert_close(gqa(ids), full(ids), rtol=1e-5, atol=1e-5)
+    g_gqa, g_full = _grads(gqa, ids), _grads(full, ids)
+    for key, g in g_gqa.items():
+        expected = g_full[key]
+        if key.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            expected = expected.unflatten(0, (2, 2, -1)).sum(1).flatten(0, 1)  # a kv head's gradient sums its copies
+        torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_gqa_fused_projections_match_separate_under_autocast():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(10_000.0, 16, 32)
+    fused = MultiHeadSelfAttention(64, 4, rope, num_kv_heads=2)
+    separate = MultiHeadSelfAttention(64, 4, rope, num_kv_heads=2, fused_qkv=False)
+    separate.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 7, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_fused, out_separate = fused(x), separate(x)
+    torch.testing.assert_close(out_fused, out_separate)
+    g = torch.randn_like(out_fused)
+    (out_fused.float() * g).sum().backward()
+    (out_separate.float() * g).sum().backward()
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, dict(separate.named_parameters())[name].grad, msg=name)
+
+
+def test_gqa_shapes_init_and_errors():
+    from scratchlm.model.attention import qkv_init_std
+
+    attn = MultiHeadSelfAttention(32, 8, num_kv_heads=2)
+    assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (8, 32)
+    assert "num_kv_heads=2" in repr(attn)
+    # fused: the Glorot scale of the one 32 -> 32 + 2·8 map; without GQA the old sqrt(2 / 4d)
+    assert qkv_init_std(32, "fused", 8) == (math.sqrt(2 / (32 + 48)),) * 2
+    assert qkv_init_std(32, "fused") == (math.sqrt(2 / 128),) * 2
+    assert qkv_init_std(32, "separate", 8) == (math.sqrt(2 / 64), math.sqrt(2 / 40))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiHeadSelfAttention(32, 8, num_kv_heads=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        MultiHeadSelfAttention(32, 8, sliding_window=0)
+
+
+def test_qk_norm_matches_a_direct_reference():
+    torch.manual_seed(0)
+    d = D // H
+    rope = RotaryEmbedding(10_000.0, d, 32)
+    attn = MultiHeadSelfAttention(D, H, rope, qk_norm=True, norm_eps=1e-6)
+    assert {"q_norm.weight", "k_norm.weight"} <= set(attn.state_dict())
+    assert attn.q_norm.weight.shape == (d,)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 2.0)
+        attn.k_norm.weight.uniform_(0.5, 2.0)
+    x = torch.randn(2, 9, D)
+    B, T = 2, 9
+
+    def heads(w, norm=None):
+        t = F.linear(x, w).view(B, T, H, d)
+        if norm is not None:  # RMS over each head's d features
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+        return t.transpose(1, 2)
+
+    q = rope(heads(attn.q_proj.weight, attn.q_norm), torch.arange(T))
+    k = rope(heads(attn.k_proj.weight, attn.k_norm), torch.arange(T))
+    out = F.scaled_dot_product_attention(q, k, heads(attn.v_proj.weight), is_causal=True)
+    expected = F.linear(out.transpose(1, 2).reshape(B, T, D), attn.output_proj.weight)
+    torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-6)
+    no_norm = MultiHeadSelfAttention(D, H, rope)
+    no_norm.load_state_dict({k: v for k, v in attn.state_dict().items() if "norm" not in k})
+    assert (no_norm(x) - expected).abs().max() > 1e-3  # the norm changes the result
+
+
+def test_sliding_window_mask_example():
+    from scratchlm.model.attention import sliding_window_mask
+
+    assert sliding_window_mask(3, 3, 2).tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+    assert sliding_window_mask(2, 4, 2).tolist() == [[False, True, True, False], [False, False, True, True]]
+
+
+def _window_reference(attn, x, window):
+    # Attention by hand: query i sees keys j with i - window < j <= i; kv head h // groups.
+    B, T, _ = x.shape
+    d = attn.head_dim
+    q = F.linear(x, attn.q_proj.weight).view(B, T, attn.num_heads, d).transpose(1, 2)
+    k = F.linear(x, attn.k_proj.weight).view(B, T, attn.num_kv_heads, d).transpose(1, 2)
+    v = F.linear(x, attn.v_proj.weight).view(B, T, attn.num_kv_heads, d).transpose(1, 2)
+    q, k = attn.rope(q, torch.arange(T)), attn.rope(k, torch.arange(T))
+    groups = attn.num_heads // attn.num_kv_heads
+    mask = torch.tensor([[i - window < j <= i for j in range(T)] for i in range(T)])
+    out = torch.empty_like(q)
+    for h in range(attn.num_heads):
+        scores = q[:, h] @ k[:, h // groups].transpose(-1, -2) / math.sqrt(d)
+        out[:, h] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, h // groups]
+    return F.linear(out.transpose(1, 2).reshape(B, T, -1), attn.output_proj.weight)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash_torch"])
+def test_sliding_window_matches_a_direct_reference(backend, caplog):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(10_000.0, 8, 32)
+    attn = MultiHeadSelfAttention(32, 4, rope, num_kv_heads=2, sliding_window=4, backend=backend)
+    x = torch.randn(2, 13, 32)
+    with caplog.at_level("WARNING", logger="scratchlm.model.attention_backends"):
+        out = attn(x)
+        attn(x)
+    torch.testing.assert_close(out, _window_reference(attn, x, 4), rtol=1e-5, atol=1e-6)
+    fallbacks = [r for r in caplog.records if "sliding window" in r.getMessage()]
+    assert len(fallbacks) == (1 if backend == "flash_torch" else 0)  # logged once, only for a real fallback
+    # a sequence no longer than the window is plain causal attention, on the backend itself
+    short = torch.randn(2, 4, 32)
+    torch.testing.assert_close(attn(short), _window_reference(attn, short, 100), rtol=1e-5, atol=1e-6)
+
+
+def test_sliding_window_with_padding_and_kv_cache():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(10_000.0, 8, 32)
+    attn = MultiHeadSelfAttention(32, 4, rope, num_kv_heads=2, sliding_window=3)
+    x = torch.randn(2, 10, 32)
+    full = attn(x)
+    # left padding: each row as if alone
+    padded = torch.cat([torch.zeros(2, 4, 32), x], dim=1)
+    mask = torch.arange(14) >= 4
+    out = attn(padded, attention_mask=mask.expand(2, 14))
+    torch.testing.assert_close(out[:, 4:], full, rtol=1e-5, atol=1e-6)
+    # incremental decoding over a cache of the kv heads only
+    cache = KVCache(1, 2, 2, 10, 8, sliding_window=3)
+    steps = [attn(x[:, :6], kv_cache=cache)] + [attn(x[:, t:t + 1], kv_cache=cache) for t in range(6, 10)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-6)
+    assert cache._k[0].shape == (2, 2, 10, 8)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attn(x[:, :2], kv_cache=KVCache(1, 2, 2, 10, 8))  # a cache without the model's window
+
+
+class _RecordingBackend:
+    """Stands in for a flash backend with the packed q|k|v path; records how it was called."""
+
+    name, heads_first, padding_mask, kv_cache, packed_qkv, sliding_window = "fake", False, False, False, True, False
+
+    def __init__(self, grouped_kv):
+        self.grouped_kv = grouped_kv
+        self.calls = []
+
+    def runs_on(self, device):
+        return True
+
+    def attend(self, q, k, v, is_causal):
+        self.calls.append(("attend", k.shape[1]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def attend_qkv(self, qkv, num_heads, cos, sin, is_causal, **kwargs):
+        self.calls.append(("attend_qkv", kwargs))
+        B, T, _ = qkv.shape
+        return torch.zeros(B, num_heads, T, 32 // num_heads, dtype=qkv.dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads,grouped", [(4, False), (2, False), (2, True)])
+def test_packed_path_passes_num_kv_heads_only_to_a_grouped_backend(num_kv_heads, grouped):
+    attn = MultiHeadSelfAttention(32, 4, num_kv_heads=num_kv_heads)
+    attn._backend = fake = _RecordingBackend(grouped)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(torch.randn(1, 5, 32))
+    if num_kv_heads == 4:
+        assert fake.calls == [("attend_qkv", {})]  # the call of a backend that predates GQA
+    elif grouped:
+        assert fake.calls == [("attend_qkv", {"num_kv_heads": 2})]
+    else:
+        assert fake.calls == [("attend", 4)]  # not packed; k and v repeated to the query heads

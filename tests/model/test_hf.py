@@ -248,3 +248,112 @@ def _model_with_vocab(vocab_size: int):
     cfg = ModelConfig(**{**TINY, "vocab_size": vocab_size})
     torch.manual_seed(5)
     return build_model(cfg).eval(), cfg
+
+
+# ---------------------------------------------------------------- GQA and Qwen2
+
+
+def _randomize_hf(model, seed: int):
+    # Hugging Face starts norms at one, biases at zero and weights small; make every parameter matter.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:  # far from the 0.02 init, so that attention moves the logits
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def _from_hf(hf_model):
+    cfg = model_config_from_hf(hf_model.config.to_dict())
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(from_hf_state_dict(hf_model.state_dict(), cfg))
+    return ours, cfg
+
+
+def test_gqa_logits_match_llama_both_ways():
+    model, cfg = _model(seed=6, num_kv_heads=2)
+    assert model.layers[0].attn.k_proj.weight.shape == (2 * 12, cfg.d_model)
+    state = to_hf_state_dict(model.state_dict(), cfg)
+    llama = _llama(cfg, state)
+    assert llama.config.num_key_value_heads == 2
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), llama(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert model_config_from_hf(llama.config.to_dict()) == cfg
+    back = from_hf_state_dict(state, cfg)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_gqa_llama_import_from_a_hugging_face_model():
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=40,
+                                      rope_theta=1000.0, rms_norm_eps=1e-6)
+    config._attn_implementation = "eager"
+    llama = _randomize_hf(transformers.LlamaForCausalLM(config), 7)
+    ours, cfg = _from_hf(llama)
+    assert cfg.num_kv_heads == 2 and not cfg.qkv_bias
+    ids = torch.randint(0, 97, (3, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), llama(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _qwen2(seed: int = 8, **kwargs):
+    torch.manual_seed(seed)
+    options = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2, max_position_embeddings=48, rope_theta=1e6, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True)
+    config = transformers.Qwen2Config(**{**options, **kwargs})
+    config._attn_implementation = "eager"
+    return _randomize_hf(transformers.Qwen2ForCausalLM(config), seed)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_qwen2_logits_match(tie):
+    qwen = _qwen2(tie_word_embeddings=tie)
+    ours, cfg = _from_hf(qwen)
+    assert (cfg.qkv_bias, cfg.num_kv_heads, cfg.tie_embeddings, cfg.rope_theta, cfg.rmsnorm_eps) == (
+        True, 2, tie, 1e6, 1e-6)
+    assert cfg.sliding_window is None
+    assert "layers.0.attn.k_proj.bias" in ours.state_dict()
+    ids = torch.randint(0, 97, (3, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), qwen(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_sliding_window_matches_and_mixed_layers_are_refused():
+    qwen = _qwen2(seed=9, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    ours, cfg = _from_hf(qwen)
+    assert cfg.sliding_window == 6
+    ids = torch.randint(0, 97, (2, 30))
+    with torch.no_grad():
+        theirs = qwen(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids), theirs, rtol=1e-5, atol=1e-5)
+        # the window matters at this length: without it the logits differ
+        full = build_model(ModelConfig(**{**vars(cfg), "sliding_window": None})).eval()
+        full.load_state_dict(ours.state_dict())
+        assert (full(ids) - theirs).abs().max() > 1e-3
+    mixed = _qwen2(seed=9, use_sliding_window=True, sliding_window=6, max_window_layers=1).config.to_dict()
+    with pytest.raises(UserError, match="max_window_layers"):
+        model_config_from_hf(mixed)
+    # a window that no layer uses is no window
+    unused = _qwen2(seed=9, use_sliding_window=True, sliding_window=6, max_window_layers=2).config.to_dict()
+    assert model_config_from_hf(unused).sliding_window is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(qk_norm=True), dict(sliding_window=8), dict(qkv_bias=True)])
+def test_attention_variants_llama_lacks_are_refused(kwargs):
+    with pytest.raises(UserError, match="default Llama architecture"):
+        check_exportable(ModelConfig(**TINY, **kwargs))
+
+
+def test_rope_permutation_of_a_bias_follows_its_rows():
+    w = torch.randn(2 * 6, 5)
+    b = torch.randn(2 * 6)
+    torch.testing.assert_close(interleaved_to_half(b, 2), interleaved_to_half(b[:, None], 2)[:, 0])
+    torch.testing.assert_close(half_to_interleaved(interleaved_to_half(b, 2), 2), b)
+    assert interleaved_to_half(w, 2).shape == w.shape

@@ -112,6 +112,7 @@ VARIANTS = [
     {"ffn": "silu"},
     {"tie_embeddings": True},
     {"attention_backend": "flash_torch"},
+    {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "sliding_window": 5},
 ]
 
 
@@ -375,3 +376,19 @@ def test_zero_init_output_makes_every_block_the_identity(ffn):
     # the next backward still reaches the zeroed matrices
     cross_entropy(model(x), x).backward()
     assert model.layers[0].attn.output_proj.weight.grad.abs().sum() > 0
+
+
+def test_attention_variants_from_config_keys_and_validation():
+    cfg = ModelConfig(**TINY, num_kv_heads=2, qk_norm=True, qkv_bias=True, sliding_window=5, rmsnorm_eps=1e-6)
+    model = build_model(cfg)
+    attn = model.layers[1].attn
+    assert (attn.num_kv_heads, attn.sliding_window, attn.q_norm.eps) == (2, 5, 1e-6)
+    keys = set(model.state_dict())
+    for name in ("q_norm.weight", "k_norm.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+        assert f"layers.1.attn.{name}" in keys
+    assert "layers.0.attn.output_proj.bias" not in keys
+    assert not any("norm" in k and ".attn." in k for k in build_model(ModelConfig(**TINY)).state_dict())
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig(**TINY, num_kv_heads=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig(**TINY, sliding_window=0)

@@ -6,7 +6,7 @@ a scratchlm `TransformerLM` + `Tokenizer` and samples with the project's decodin
 (`scratchlm.infer.generate.generate`: static KV cache, CUDA-graph decode steps, finished rows'
 slots refilled); `HFPolicy` wraps a Hugging Face `AutoModelForCausalLM` + `AutoTokenizer`
 loaded from a local directory and samples with the same engine through a scratchlm twin when
-the model is a Llama the bridge converts, else with its own `generate`. Neither generator knows stop strings, so completions are decoded and cut
+the model is a Llama or Qwen2 the bridge converts, else with its own `generate`. Neither generator knows stop strings, so completions are decoded and cut
 just after the first stop string (``</answer>``); SFT targets end with the end-of-text token,
 so a trained policy also stops by itself.
 
@@ -157,10 +157,11 @@ class ScratchPolicy:
 class HFPolicy:
     """A Hugging Face causal LM and tokenizer from a local directory.
 
-    A Llama, Mixtral or Qwen2-MoE that `scratchlm.model.hf` can express (no grouped-query attention, no RoPE scaling)
+    A Llama, Qwen2, Mixtral or Qwen2-MoE that `scratchlm.model.hf` can express (grouped-query
+    attention, Qwen2's q/k/v biases and an all-layer sliding window included; no RoPE scaling)
     samples with the scratchlm decoding engine, through a scratchlm twin of the model whose
     weights are copied from the Hugging Face model at every call (so they follow training);
-    other models (Qwen2, with its q/k/v biases, for one) sample with their own `generate`.
+    other models, and weights the bridge refuses, sample with their own `generate`.
     `use_engine=False` forces the latter.
     """
 

@@ -1,12 +1,15 @@
 """Key/value cache for incremental decoding.
 
-Each layer gets preallocated (B, H, max_len, d) key and value buffers; a forward pass writes
+Each layer gets preallocated (B, Hkv, max_len, d) key and value buffers (Hkv = the model's
+num_kv_heads: with grouped-query attention the cache holds only the shared kv heads); a forward pass writes
 the new keys/values at the current length and attends to the whole prefix, so decoding one
 token costs O(T) instead of re-running the O(T²) prefix.
 
 Batches of prompts of different lengths are left-padded: row b starts with `pad_lens[b]`
 padding slots that no query may attend to (`key_mask`), and its token positions count from
-its first real token (`positions`). The model only calls `positions`, `update`,
+its first real token (`positions`). With a `sliding_window` W the attention mask also hides
+keys more than W - 1 slots back (within a row, slots and positions differ by a constant).
+The model only calls `positions`, `update`,
 `attention_mask`, `seq_len` and `min_pad`; the cache knows nothing about tokens or sampling.
 """
 
@@ -17,11 +20,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from scratchlm.model.attention import sliding_window_mask
 from scratchlm.model.functional import causal_mask
 
 
 class KVCache:
-    """Per-layer key/value buffers of shape (batch_size, num_heads, max_len, head_dim).
+    """Per-layer key/value buffers of shape (batch_size, num_heads, max_len, head_dim), where
+    num_heads counts the key/value heads stored (the model's num_kv_heads).
 
     Buffers are allocated on the first `update` of each layer, with the dtype and device of
     the keys written (so autocast or a bf16 model get a cache in the dtype they compute in),
@@ -37,10 +42,12 @@ class KVCache:
         head_dim: int,
         *,
         pad_lens: Sequence[int] | None = None,
+        sliding_window: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = num_layers
+        self.sliding_window = sliding_window
         self.batch_size = batch_size
         self.num_heads = num_heads
         self.max_len = max_len
@@ -61,9 +68,10 @@ class KVCache:
     def for_model(
         cls, model: nn.Module, batch_size: int, max_len: int, *, pad_lens: Sequence[int] | None = None
     ) -> KVCache:
-        """A cache sized for a TransformerLM (its layers, heads and head size)."""
+        """A cache sized for a TransformerLM (its layers, kv heads, head size and sliding window)."""
         attn = model.layers[0].attn
-        return cls(len(model.layers), batch_size, attn.num_heads, max_len, attn.head_dim, pad_lens=pad_lens)
+        return cls(len(model.layers), batch_size, getattr(attn, "num_kv_heads", attn.num_heads), max_len,
+                   attn.head_dim, pad_lens=pad_lens, sliding_window=getattr(attn, "sliding_window", None))
 
     @property
     def seq_len(self) -> int:
@@ -92,18 +100,25 @@ class KVCache:
         return self._key_mask[:, :L]
 
     def attention_mask(self, T: int, L: int, *, device: torch.device | str | None = None) -> Tensor | None:
-        """Boolean mask for T new queries over L cached keys: causal and blind to padding.
+        """Boolean mask for T new queries over L cached keys: causal, blind to padding and to keys
+        outside the sliding window.
 
         (B, 1, T, L) with padding, (T, L) without, None when every key is visible (one new
-        token, no padding). All layers of a step share it, so it is built once per (T, L).
+        token, no padding, no key beyond the window). All layers of a step share it, so it is
+        built once per (T, L).
         """
         if self._mask is not None and self._mask[0] == (T, L):
             return self._mask[1]
         key_mask = self.key_mask(L)
-        if key_mask is None:
-            mask = None if T == 1 else causal_mask(T, L, device=device)
+        device = key_mask.device if key_mask is not None else device
+        window = self.sliding_window
+        if window is not None and L > window:
+            mask = sliding_window_mask(T, L, window, device=device)  # (T, L), causal too
         else:
-            mask = causal_mask(T, L, device=key_mask.device) & key_mask[:, None, None, :]
+            mask = None if T == 1 else causal_mask(T, L, device=device)
+        if key_mask is not None:
+            key_mask = key_mask[:, None, None, :]  # (B, 1, 1, L)
+            mask = key_mask if mask is None else mask & key_mask
         self._mask = ((T, L), mask)
         return mask
 

@@ -1,7 +1,7 @@
 """A static KV cache: preallocated buffers, fixed shapes, per-row lengths on the device.
 
-Each layer owns key and value buffers of shape (slots, num_heads, max_len, head_dim),
-allocated once. Row (slot) s holds its tokens at positions 0 .. lens[s] - 1 with no padding
+Each layer owns key and value buffers of shape (slots, num_kv_heads, max_len, head_dim),
+allocated once (with grouped-query attention only the shared kv heads are stored). Row (slot) s holds its tokens at positions 0 .. lens[s] - 1 with no padding
 in front, so every row can be at its own length, and a finished row's slot can be handed to a
 new prompt without touching the others. Nothing about a step depends on host-side lengths:
 `lens` is a device tensor, the write of one new key per row is an indexed store, and
@@ -20,6 +20,12 @@ where the model's reference path computes in float32:
   token never sees the padding after it; what padding slots hold is masked later).
 - `DecodeView`: one token per row for the first b slots, at each row's own position `pos`;
   attention covers slots 0 .. L - 1 with key j visible iff j <= pos.
+With a sliding window W, key j is further hidden from the query at position p when j <= p - W.
+
+Grouped-query attention: q has H heads, the cache Hkv. A decode step folds the H / Hkv query
+heads of each kv head into query rows of one (b, Hkv, H / Hkv, d) attention (one query per row
+and head, so they share the row's mask): no copy of the cache. Prefill uses SDPA's `enable_gqa`
+(torch >= 2.5), else repeats the kv heads.
 """
 
 from __future__ import annotations
@@ -28,18 +34,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from scratchlm.model.attention import repeat_kv, sliding_window_mask
+
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, is_causal: bool = False) -> Tensor:
+    """torch's fused attention with k, v of Hkv heads dividing q's H (query head h reads kv head
+    h // (H / Hkv)): q (B, H, T, d), k and v (B, Hkv, L, d), mask broadcast to (B, H, T, L)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if H == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    B, _, T, d = q.shape
+    if T == 1 and not is_causal and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1)):
+        # One query per head: the group's heads become query rows over their shared kv head.
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, d), k, v, attn_mask=mask)
+        return out.reshape(B, H, 1, d)
+    if _SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    groups = H // Hkv
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask,
+                                          is_causal=is_causal)
 
 
 class StaticKVCache:
-    """Per-layer key/value buffers (slots, num_heads, max_len, head_dim), zero-filled on creation.
+    """Per-layer key/value buffers (slots, num_heads, max_len, head_dim), zero-filled on creation;
+    num_heads counts the key/value heads stored (the model's num_kv_heads).
 
     Buffers are allocated on the first write, in the dtype of the keys written (a bf16 model, or
     autocast, gives a bf16 cache), unless `dtype` is given.
     """
 
     def __init__(self, num_layers: int, slots: int, num_heads: int, max_len: int, head_dim: int, *,
-                 device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str, dtype: torch.dtype | None = None,
+                 sliding_window: int | None = None) -> None:
         self.num_layers = num_layers
+        self.sliding_window = sliding_window
         self.slots = slots
         self.num_heads = num_heads
         self.max_len = max_len
@@ -52,9 +82,10 @@ class StaticKVCache:
     @classmethod
     def for_model(cls, model: nn.Module, slots: int, max_len: int, *, device: torch.device | str,
                   dtype: torch.dtype | None = None) -> StaticKVCache:
-        """A cache sized for a TransformerLM (its layers, heads and head size)."""
+        """A cache sized for a TransformerLM (its layers, kv heads, head size and sliding window)."""
         attn = model.layers[0].attn
-        return cls(len(model.layers), slots, attn.num_heads, max_len, attn.head_dim, device=device, dtype=dtype)
+        return cls(len(model.layers), slots, getattr(attn, "num_kv_heads", attn.num_heads), max_len, attn.head_dim,
+                   device=device, dtype=dtype, sliding_window=getattr(attn, "sliding_window", None))
 
     def buffers(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """This layer's (k, v) buffers, allocated on first use with `like`'s dtype."""
@@ -82,20 +113,24 @@ class PrefillView:
             raise ValueError(f"prompt of {T} tokens exceeds the cache's max_len={cache.max_len}")
         self.cache, self.rows, self.T = cache, rows, T
         self.seq_len, self.min_pad = 0, 0
+        self.sliding_window = window = cache.sliding_window
+        # (T, T) when the window hides keys, built once for all layers; else causal by itself
+        self.mask = sliding_window_mask(T, T, window, device=rows.device) if window is not None and T > window else None
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (n, H, T, d) at slots 0 .. T - 1 of the rows; attention needs only these."""
+        """Store k, v (n, Hkv, T, d) at slots 0 .. T - 1 of the rows; attention needs only these."""
         k_buf, v_buf = self.cache.buffers(layer_idx, k)
         k_buf[self.rows, :, :self.T] = k.to(k_buf.dtype)
         v_buf[self.rows, :, :self.T] = v.to(v_buf.dtype)
         return k, v
 
-    def attention_mask(self, T: int, L: int, *, device=None) -> None:
-        return None  # `attend` is causal by itself: no (T, T) mask to build in every layer
+    def attention_mask(self, T: int, L: int, *, device=None) -> Tensor | None:
+        return self.mask  # None: `attend` is causal by itself, no (T, T) mask to build in every layer
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: None) -> Tensor:
-        """Causal attention of the prompt tokens, (n, H, T, d), by torch's fused kernel."""
-        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal (and windowed) attention of the prompt tokens, q (n, H, T, d) over k, v
+        (n, Hkv, T, d), by torch's fused kernel."""
+        return grouped_sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, is_causal=mask is None)
 
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return torch.arange(T, device=device)
@@ -113,11 +148,16 @@ class DecodeView:
         self.cache, self.pos, self.L = cache, pos, L
         b = pos.shape[0]
         self.rows = torch.arange(b, device=pos.device)
-        self.mask = (torch.arange(L, device=pos.device) <= pos[:, None])[:, None, None, :]  # (b, 1, 1, L)
+        slot = torch.arange(L, device=pos.device)
+        visible = slot <= pos[:, None]  # (b, L)
+        self.sliding_window = window = cache.sliding_window
+        if window is not None:
+            visible = visible & (slot > pos[:, None] - window)
+        self.mask = visible[:, None, None, :]  # (b, 1, 1, L)
         self.seq_len, self.min_pad = 0, 0
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (b, H, 1, d) at each row's pos; return the window (b, H, L, d) of each."""
+        """Write k, v (b, Hkv, 1, d) at each row's pos; return the window (b, Hkv, L, d) of each."""
         k_buf, v_buf = self.cache.buffers(layer_idx, k)
         b = self.pos.shape[0]
         k_buf[self.rows, :, self.pos] = k[:, :, 0].to(k_buf.dtype)
@@ -128,10 +168,10 @@ class DecodeView:
         return self.mask
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """q (b, H, 1, d) over the window k, v (b, H, L, d) by torch's fused kernel, in the cache's
+        """q (b, H, 1, d) over the window k, v (b, Hkv, L, d) by torch's fused kernel, in the cache's
         dtype: the math path would first copy the whole window to float32, the bulk of a
         batched step's memory traffic."""
-        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask).to(q.dtype)
+        return grouped_sdpa(q.to(k.dtype), k, v, mask).to(q.dtype)
 
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return self.pos[:, None]

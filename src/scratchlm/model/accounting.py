@@ -13,6 +13,11 @@ Conventions (the usual ones of scaling-law accountings, so figures compare with 
   ``2·(2·T·T·d_model)`` per layer. Causal masking is *not* halved: a dense kernel computes
   the masked half too, and the published accountings (Kaplan et al., Chinchilla, MFU
   figures) use the full product. A causal-aware kernel does about half of this term.
+- Grouped-query attention (``num_kv_heads``) shrinks k_proj and v_proj, their FLOPs and the
+  KV cache; the attention products are unchanged (every query head still attends). A sliding
+  window is not subtracted from ``attention`` either, for the same reason as the causal half
+  (the math path computes the masked scores too); `model_flops_per_token`, which counts causal
+  attention, counts only the keys inside the window.
 - Training costs three forwards (backward = 2× forward for matmuls, `TRAIN_FORWARDS`),
   reported as ``train_flops_per_sequence``.
 - MoE layers count only the experts a token is routed to (``top_k`` plus shared experts)
@@ -24,6 +29,9 @@ This module owns the FLOP formulas of the whole package: `matmul_flops`, `ffn_fl
 `attention_flops` (also what the layer and kernel benchmarks count), `forward_flops` of a config (`scratchlm
 account`, the trainer's MFU) and `model_flops_per_token` of a built model (the benchmarks' MFU,
 which counts every weight matrix and causal attention).
+
+Attention fields are read with ``getattr`` and defaults too: ``num_kv_heads`` (None = num_heads),
+``qk_norm`` (False), ``qkv_bias`` (False), ``sliding_window`` (None).
 
 MoE fields are read with ``getattr`` and defaults, so this module works with a ModelConfig
 whether or not it carries them yet: ``moe_num_experts`` (8), ``moe_top_k`` (2),
@@ -85,6 +93,33 @@ def moe_shape(cfg: Any) -> dict[str, Any]:
     }
 
 
+def attention_shape(cfg: Any) -> dict[str, Any]:
+    """The attention fields of a config with their defaults: head_dim, num_kv_heads, kv_dim
+    (num_kv_heads · head_dim), qk_norm, qkv_bias, sliding_window."""
+    head_dim = cfg.d_model // cfg.num_heads
+    kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+    return {
+        "head_dim": head_dim,
+        "num_kv_heads": kv_heads,
+        "kv_dim": kv_heads * head_dim,
+        "qk_norm": bool(getattr(cfg, "qk_norm", False)),
+        "qkv_bias": bool(getattr(cfg, "qkv_bias", False)),
+        "sliding_window": getattr(cfg, "sliding_window", None),
+    }
+
+
+def _attention_params(cfg: Any) -> int:
+    """Per-layer attention parameters: q and output (D·D each), k and v (D·kv_dim each), the
+    q/k/v biases (D + 2·kv_dim) and the two QK-norm weights (head_dim each)."""
+    D, a = cfg.d_model, attention_shape(cfg)
+    n = 2 * D * D + 2 * D * a["kv_dim"]
+    if a["qkv_bias"]:
+        n += D + 2 * a["kv_dim"]
+    if a["qk_norm"]:
+        n += 2 * a["head_dim"]
+    return n
+
+
 def _ffn_params(cfg: Any) -> dict[str, int]:
     """Per-layer FFN parameters: total and active (touched by one token)."""
     D, F = cfg.d_model, cfg.d_ff
@@ -108,7 +143,8 @@ def _ffn_params(cfg: Any) -> dict[str, int]:
 def count_params(cfg: Any) -> dict[str, int]:
     """Parameter count by component, with ``total`` and ``active`` (per-token, differs for MoE).
 
-    Components: ``embedding`` (V·D), ``attention`` (4·D² per layer: q, k, v, output),
+    Components: ``embedding`` (V·D), ``attention`` (4·D² per layer: q, k, v, output; with
+    GQA 2·D² + 2·D·kv_dim, plus q/k/v biases and QK-norm weights when on),
     ``ffn`` (3·D·d_ff per layer for SwiGLU, 2·D·d_ff for SiLU and ReLU², router and all experts for MoE),
     ``norm`` (D per RMSNorm: two per layer and the final one; 0 without RMSNorm) and
     ``lm_head`` (V·D, 0 when tied to the embedding, which it then shares).
@@ -121,7 +157,7 @@ def count_params(cfg: Any) -> dict[str, int]:
     ffn = _ffn_params(cfg)
     parts = {
         "embedding": V * D,
-        "attention": L * 4 * D * D,
+        "attention": L * _attention_params(cfg),
         "ffn": L * ffn["total"],
         "norm": (2 * L + 1) * D if cfg.use_rmsnorm else 0,
         "lm_head": 0 if cfg.tie_embeddings else V * D,
@@ -168,8 +204,9 @@ def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
     V, D, L = cfg.vocab_size, cfg.d_model, cfg.num_layers
     moe = moe_shape(cfg)  # read by ffn_flops only for ffn="moe"
     ffn = ffn_flops(cfg.ffn, D, cfg.d_ff, T, num_experts=moe["num_experts"], top_k=moe["top_k"], shared=moe["shared"])
+    kv_dim = attention_shape(cfg)["kv_dim"]
     parts = {
-        "qkvo": L * 4 * matmul_flops(T, D, D),
+        "qkvo": L * (2 * matmul_flops(T, D, D) + 2 * matmul_flops(T, D, kv_dim)),
         "attention": L * attention_flops(1, 1, T, D),
         "ffn": L * ffn,
         "lm_head": matmul_flops(T, D, V),
@@ -181,17 +218,23 @@ def forward_flops(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
 def model_flops_per_token(model: Any, seq_len: int) -> float:
     """Forward matmul FLOPs per token of a built model: 2 per weight of every matrix except the
     embedding table (a lookup), plus causal attention (q·kᵀ and p·v: 2·T·d_model per layer and
-    token). Unlike `forward_flops`, MoE layers count every expert's weights.
+    token; with a sliding window W < T only the keys inside it: the causal term times
+    sum_p min(p + 1, W) / (T·(T + 1)/2)). Unlike `forward_flops`, MoE layers count every expert's weights.
 
     Reads scratchlm's attribute names: ``token_embeddings``, ``layers``, ``d_model``,
-    ``tie_embeddings``.
+    ``tie_embeddings``, and ``layers[0].attn.sliding_window`` when there is one.
     """
     emb = getattr(model, "token_embeddings", None)
     skip = {id(emb.weight)} if emb is not None and not getattr(model, "tie_embeddings", False) else set()
     matrix_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
-    layers = len(getattr(model, "layers", []))
+    layers = getattr(model, "layers", [])
     d_model = getattr(model, "d_model", 0)
-    return 2.0 * matrix_params + layers * attention_flops(1, 1, seq_len, d_model, is_causal=True) / seq_len
+    attention = attention_flops(1, 1, seq_len, d_model, is_causal=True) / seq_len
+    window = getattr(getattr(layers[0], "attn", None), "sliding_window", None) if len(layers) else None
+    if window is not None and window < seq_len:
+        seen = window * (window + 1) // 2 + (seq_len - window) * window  # sum of min(p + 1, W)
+        attention *= seen / (seq_len * (seq_len + 1) / 2)
+    return 2.0 * matrix_params + len(layers) * attention
 
 
 def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[str, int]:
@@ -207,7 +250,11 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
     - attention, "math" backend: q and k after RoPE, v, and the attention output fed to
       ``output_proj`` (4·T·D); the scaled scores, their exponentials and the probabilities
       (3·H·T·T, the term quadratic in T); flash backends keep only a (H, T) log-sum-exp
-      beyond those (H·T): their output, laid out (T, H, d), is itself what feeds ``output_proj``;
+      beyond those (H·T): their output, laid out (T, H, d), is itself what feeds ``output_proj``.
+      With GQA, k and v are kept with their kv_dim = Hkv·d columns by a backend that declares
+      `grouped_kv` or with one kv head (repeating it is a view), else as repeated to D columns
+      (what attends is the copy); QK-norm adds, per
+      norm, its input and the normalised x/rms (2·T·(D + kv_dim) for q and k);
     - SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and the product fed to w2 (5·T·F);
       SiLU FFN: w1 x, its sigmoid and silu(w1 x) (3·T·F); ReLU² FFN: relu(w1 x), which both
       the ReLU's and the square's backward read, and its square fed to w2 (2·T·F);
@@ -228,6 +275,11 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
     # Without RMSNorm the next matmul still keeps its input: the residual stream itself.
     norm = 3 * T * D if cfg.use_rmsnorm else T * D
     scores = 3 * H * T * T if cfg.attention_backend == "math" else H * T
+    a = attention_shape(cfg)
+    # k and v as they attend: repeated to D columns, unless the backend takes the kv heads or there
+    # is one kv head (its repeat is a stride-0 view)
+    kv = a["kv_dim"] if _grouped_backend(cfg.attention_backend) or a["num_kv_heads"] == 1 else D
+    qkv = 2 * T * D + 2 * T * kv + (2 * T * (D + a["kv_dim"]) if a["qk_norm"] else 0)
     if cfg.ffn == "swiglu":
         ffn = 5 * T * F
     elif cfg.ffn == "silu":
@@ -244,13 +296,34 @@ def activation_bytes_per_sequence(cfg: Any, seq_len: int | None = None) -> dict[
         raise ValueError(f"unknown ffn {cfg.ffn!r}")
     elements = {
         "norms": (2 * L + 1) * norm,
-        "attention": L * (4 * T * D + scores),
+        "attention": L * (qkv + scores),
         "ffn": L * ffn,
         "loss": (3 if getattr(cfg, "logit_softcap", 0) else 2) * T * V,
     }
     out = {k: v * FP32_BYTES for k, v in elements.items()}
     out["total"] = sum(out.values())
     return out
+
+
+def _grouped_backend(name: str) -> bool:
+    # Whether the backend takes k and v with their own kv heads (a class attribute: nothing is built).
+    from scratchlm.model.attention_backends import ATTENTION_BACKENDS
+
+    backend = ATTENTION_BACKENDS.get(name)
+    return bool(getattr(backend, "grouped_kv", False))
+
+
+def kv_cache_bytes(cfg: Any, seq_len: int | None = None, batch_size: int = 1, bytes_per_element: int = 2) -> int:
+    """Bytes of a decoding KV cache for `batch_size` rows of `seq_len` tokens (default
+    context_length), bf16 by default: keys and values of num_kv_heads heads in every layer,
+    2·L·B·T·kv_dim elements. The static cache keeps every position, window or not.
+
+    >>> from scratchlm.model.config import ModelConfig
+    >>> kv_cache_bytes(ModelConfig(d_model=64, num_layers=2, num_heads=8, num_kv_heads=2), seq_len=10)
+    1280
+    """
+    T = cfg.context_length if seq_len is None else seq_len
+    return 2 * cfg.num_layers * batch_size * T * attention_shape(cfg)["kv_dim"] * bytes_per_element
 
 
 def train_memory_bytes(cfg: Any) -> dict[str, int]:
@@ -290,6 +363,7 @@ def account(cfg: Any) -> dict[str, Any]:
         "train_flops_per_sequence": TRAIN_FORWARDS * flops["total"],
         "train_flops_per_token": TRAIN_FORWARDS * flops["total"] // cfg.context_length,
         "activation_bytes_breakdown": activation_bytes_per_sequence(cfg),
+        "kv_cache_bytes_per_sequence": kv_cache_bytes(cfg),  # bf16, context_length tokens
         "attention_flops_counting": "full T x T (no causal halving)",
     }
     if cfg.ffn == "moe":

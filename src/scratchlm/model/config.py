@@ -16,6 +16,14 @@ class ModelConfig:
     d_model: int = 512  # residual stream width
     num_layers: int = 4  # Transformer blocks
     num_heads: int = 16  # attention heads; d_model must be divisible by it
+    # Key/value heads (grouped-query attention); none = num_heads. Must divide num_heads: query head
+    # h reads kv head h // (num_heads / num_kv_heads). Fewer kv heads, a smaller KV cache.
+    num_kv_heads: int | None = None
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k of every head, before RoPE (Qwen3, OLMo2)
+    # Causal attention in which each query sees at most the last sliding_window keys (itself
+    # included); none = the whole prefix.
+    sliding_window: int | None = None
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj (Qwen2); every other module stays bias-free
     d_ff: int = 1344  # hidden width of the feed-forward network
     rope_theta: float = 10_000.0  # RoPE base
     rmsnorm_eps: float = 1e-5  # epsilon inside RMSNorm
@@ -26,7 +34,8 @@ class ModelConfig:
     tie_embeddings: bool = False  # share token_embeddings.weight with lm_head.weight
     attention_backend: str = "math"  # "math" (reference) or another name in attention_backends.ATTENTION_BACKENDS
     # Init std of q_proj, k_proj, v_proj: "fused" sqrt(2/(d+3d)), the Glorot scale of the one d -> 3d
-    # map they form (as a fused qkv nn.Linear); "separate" sqrt(2/(d+d)) each (before Dec 2026).
+    # map they form (as a fused qkv nn.Linear; d -> d + 2·kv_dim with num_kv_heads); "separate"
+    # sqrt(2/(d+d)) each (before Dec 2026), sqrt(2/(d+kv_dim)) for k and v with num_kv_heads.
     qkv_init: str = "fused"
     # Mixed-precision training computes q/k/v, and SwiGLU's w1/w3, each as one forward matmul over
     # the concatenated weights (wider GPU matmuls); parameters, names and maths are the same.
@@ -63,6 +72,13 @@ class ModelConfig:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
             )
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ValueError(
+                f"model.num_kv_heads ({self.num_kv_heads}) must be a positive divisor of model.num_heads "
+                f"({self.num_heads})"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"model.sliding_window must be positive or none, got {self.sliding_window}")
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
         if self.ffn not in ("swiglu", "silu", "relu2", "moe"):

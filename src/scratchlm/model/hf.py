@@ -1,7 +1,9 @@
-"""Conversion between scratchlm's TransformerLM and Hugging Face ``LlamaForCausalLM``.
+"""Conversion between scratchlm's TransformerLM and Hugging Face ``LlamaForCausalLM`` (both
+ways) and ``Qwen2ForCausalLM`` (import).
 
-The default scratchlm architecture (pre-norm, RMSNorm, RoPE, SwiGLU, no biases, one KV head
-per query head) is exactly Llama's, up to two conventions:
+The default scratchlm architecture (pre-norm, RMSNorm, RoPE, SwiGLU, no biases) is exactly
+Llama's, grouped-query attention (``num_kv_heads`` = ``num_key_value_heads``) included, up to
+two conventions:
 
 - Names: ``layers.{i}.attn.q_proj`` is ``model.layers.{i}.self_attn.q_proj``, ``ffn.w1`` /
   ``w3`` / ``w2`` are ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, and so on (``_NAMES``).
@@ -9,7 +11,13 @@ per query head) is exactly Llama's, up to two conventions:
   Face rotates *halves* (x[i], x[i + d/2]), both with frequency theta^(-2i/d). Permuting the
   rows of each head of W_q and W_k by [0, 2, 4, ..., 1, 3, 5, ...] turns one into the other.
   q·k is a sum over the head dimension, so permuting q and k alike leaves the attention
-  scores, and hence the logits, unchanged; v and the output projection are untouched.
+  scores, and hence the logits, unchanged; v and the output projection are untouched. W_k
+  has num_kv_heads heads, each permuted alike.
+
+Qwen2 is Llama plus biases on q, k and v (``model.qkv_bias``; the q and k biases are permuted
+with their rows), usually with GQA, tied embeddings, rope_theta 1e6 and rms eps 1e-6, and an
+optional sliding window. scratchlm applies one window to every layer, so a Qwen2 config whose
+``use_sliding_window`` leaves some layers on full attention (``max_window_layers``) is refused.
 
 Mixture-of-experts models (``ffn="moe"``) go to Mixtral or Qwen2-MoE instead: each public
 function hands them to ``scratchlm.model.hf_moe``, which reuses the mapping here for everything
@@ -42,6 +50,9 @@ _LAYER_NAMES = {
     "attn.q_proj.weight": "self_attn.q_proj.weight",
     "attn.k_proj.weight": "self_attn.k_proj.weight",
     "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.q_proj.bias": "self_attn.q_proj.bias",
+    "attn.k_proj.bias": "self_attn.k_proj.bias",
+    "attn.v_proj.bias": "self_attn.v_proj.bias",
     "attn.output_proj.weight": "self_attn.o_proj.weight",
     "ln2.weight": "post_attention_layernorm.weight",
     "ffn.w1.weight": "mlp.gate_proj.weight",
@@ -53,29 +64,40 @@ _GLOBAL_NAMES = {
     "ln_final.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_ROPE_PERMUTED = ("attn.q_proj.weight", "attn.k_proj.weight")
+# Rows permuted between RoPE conventions, and whether they have the query heads (else the kv heads).
+_ROPE_PERMUTED = {"attn.q_proj.weight": True, "attn.k_proj.weight": False,
+                  "attn.q_proj.bias": True, "attn.k_proj.bias": False}
+
+
+def _head_rows(weight: Tensor, num_heads: int) -> tuple[int, Tensor]:
+    # weight (num_heads · d_head, ...) as (rows, rest): a bias (rows,) becomes (rows, 1)
+    out_features = weight.shape[0]
+    d_head = out_features // num_heads
+    if d_head * num_heads != out_features or d_head % 2:
+        raise ValueError(f"cannot split {out_features} rows into {num_heads} heads of even size")
+    return d_head, weight.reshape(out_features, -1)
 
 
 def interleaved_to_half(weight: Tensor, num_heads: int) -> Tensor:
     """Reorder the rows of a q/k projection from interleaved RoPE pairs to rotate-half pairs.
 
-    weight: (num_heads · d_head, d_in). Within each head, output row j < d_head/2 is input row
-    2j and row d_head/2 + j is row 2j + 1: rows [0, 2, 4, ..., 1, 3, 5, ...].
+    weight: (num_heads · d_head, d_in), or a bias (num_heads · d_head,). Within each head, output
+    row j < d_head/2 is input row 2j and row d_head/2 + j is row 2j + 1: rows [0, 2, 4, ..., 1, 3, 5, ...].
     """
-    out_features, d_in = weight.shape
-    d_head = out_features // num_heads
-    if d_head * num_heads != out_features or d_head % 2:
-        raise ValueError(f"cannot split {out_features} rows into {num_heads} heads of even size")
-    return weight.reshape(num_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(out_features, d_in)
+    d_head, w = _head_rows(weight, num_heads)
+    return w.reshape(num_heads, d_head // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
 def half_to_interleaved(weight: Tensor, num_heads: int) -> Tensor:
-    """Inverse of ``interleaved_to_half``; weight: (num_heads · d_head, d_in)."""
-    out_features, d_in = weight.shape
-    d_head = out_features // num_heads
-    if d_head * num_heads != out_features or d_head % 2:
-        raise ValueError(f"cannot split {out_features} rows into {num_heads} heads of even size")
-    return weight.reshape(num_heads, 2, d_head // 2, d_in).transpose(1, 2).reshape(out_features, d_in)
+    """Inverse of ``interleaved_to_half``; weight: (num_heads · d_head, d_in) or (num_heads · d_head,)."""
+    d_head, w = _head_rows(weight, num_heads)
+    return w.reshape(num_heads, 2, d_head // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _rope_heads(suffix: str, cfg: Any) -> int:
+    """Heads of the rows of a RoPE-permuted tensor: the query heads, or the kv heads of k."""
+    kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+    return cfg.num_heads if _ROPE_PERMUTED[suffix] else kv_heads
 
 
 def _moe(cfg: Any):
@@ -105,9 +127,16 @@ def check_exportable(cfg: Any) -> None:
         problems.append(f"logit_softcap={cfg.logit_softcap} (Llama has no logit cap)")
     if (cfg.d_model // cfg.num_heads) % 2:
         problems.append(f"odd head size {cfg.d_model // cfg.num_heads} (RoPE needs it even)")
+    if getattr(cfg, "qk_norm", False):
+        problems.append("qk_norm=true (Llama has no QK-norm)")
+    if getattr(cfg, "sliding_window", None) is not None:
+        problems.append(f"sliding_window={cfg.sliding_window} (Llama attends to the whole prefix)")
+    if getattr(cfg, "qkv_bias", False):
+        problems.append("qkv_bias=true (Llama's attention_bias would add an output bias too)")
     if problems:
         raise UserError(
-            "only the default Llama architecture can be exported to Hugging Face; this model has "
+            "only the default Llama architecture (optionally with num_kv_heads) can be exported to "
+            "Hugging Face; this model has "
             + ", ".join(problems)
         )
 
@@ -133,13 +162,13 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
             raise ValueError(f"unexpected state dict key {name!r}")
         tensor = tensor.detach()
         if suffix in _ROPE_PERMUTED:
-            tensor = interleaved_to_half(tensor, cfg.num_heads)
+            tensor = interleaved_to_half(tensor, _rope_heads(suffix, cfg))
         out[f"model.layers.{index}.{_LAYER_NAMES[suffix]}"] = tensor.clone().contiguous()
     return out
 
 
 def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    """LlamaForCausalLM state dict -> scratchlm TransformerLM state dict.
+    """LlamaForCausalLM or Qwen2ForCausalLM state dict -> scratchlm TransformerLM state dict.
 
     Buffers such as ``rotary_emb.inv_freq`` are ignored; a missing ``lm_head.weight`` (tied
     embeddings) is filled with the embedding matrix.
@@ -161,7 +190,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, 
         suffix = layer_back[parts[3]]
         tensor = tensor.detach()
         if suffix in _ROPE_PERMUTED:
-            tensor = half_to_interleaved(tensor, cfg.num_heads)
+            tensor = half_to_interleaved(tensor, _rope_heads(suffix, cfg))
         out[f"layers.{parts[2]}.{suffix}"] = tensor.clone().contiguous()
     if "lm_head.weight" not in out and "token_embeddings.weight" in out:
         out["lm_head.weight"] = out["token_embeddings.weight"]
@@ -191,7 +220,7 @@ def hf_config(
         "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads,
+        "num_key_value_heads": getattr(cfg, "num_kv_heads", None) or cfg.num_heads,
         "head_dim": cfg.d_model // cfg.num_heads,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.context_length,
@@ -212,18 +241,41 @@ def hf_config(
     }
 
 
+def _qwen2_sliding_window(config: dict[str, Any]) -> int | None:
+    """The one window of every layer of a Qwen2 config, None without one; UserError when only
+    some layers slide (scratchlm applies one window to all)."""
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    if window is None:
+        return None
+    layers = config["num_hidden_layers"]
+    first = config.get("max_window_layers", 28)
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if set(kinds) == {"full_attention"}:
+        return None
+    if set(kinds) != {"sliding_attention"}:
+        raise UserError(
+            f"this Qwen2 config slides a window of {window} over only some layers (max_window_layers={first} "
+            f"of {layers}); scratchlm applies one window to every layer: set use_sliding_window=false or "
+            "max_window_layers=0 in config.json")
+    return int(window)
+
+
 def model_config_from_hf(config: dict[str, Any]) -> Any:
-    """A ModelConfig from a Llama, Mixtral or Qwen2-MoE ``config.json`` dict (the reverse of ``hf_config``)."""
+    """A ModelConfig from a Llama, Qwen2, Mixtral or Qwen2-MoE ``config.json`` dict (for Llama, the
+    reverse of ``hf_config``)."""
     from scratchlm.model import hf_moe
     from scratchlm.model.config import ModelConfig
 
-    if config.get("model_type") in hf_moe.MODEL_TYPES:
+    model_type = config.get("model_type", "llama")
+    if model_type in hf_moe.MODEL_TYPES:
         return hf_moe.model_config_from_hf(config)
-    if config.get("model_type", "llama") != "llama":
-        raise UserError(f"not a Llama config: model_type={config.get('model_type')!r}")
+    if model_type not in ("llama", "qwen2"):
+        raise UserError(f"not a Llama or Qwen2 config: model_type={model_type!r}")
     heads = config["num_attention_heads"]
-    if config.get("num_key_value_heads", heads) != heads:
-        raise UserError("grouped-query attention (num_key_value_heads != num_attention_heads) is not supported")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise UserError(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
     if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
         raise UserError("only silu activations without biases are supported")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -243,6 +295,9 @@ def model_config_from_hf(config: dict[str, Any]) -> Any:
         rope_theta=float(theta),
         rmsnorm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        num_kv_heads=kv_heads if kv_heads != heads else None,
+        qkv_bias=model_type == "qwen2",  # Qwen2: q/k/v biases, no others
+        sliding_window=_qwen2_sliding_window(config) if model_type == "qwen2" else None,
     )
 
 

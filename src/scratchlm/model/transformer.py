@@ -34,6 +34,12 @@ state_dict (default keys are listed in DESIGN.md):
 - fused_projections: True (default) computes q/k/v, and SwiGLU's w1/w3, each as one forward
   matmul over the concatenated weights in mixed-precision training (`layers.project_together`);
   no keys change.
+- num_kv_heads (grouped-query attention): `attn.k_proj.weight` and `attn.v_proj.weight` are
+  (num_kv_heads · d_model / num_heads, d_model); a KV cache stores that many heads.
+- qk_norm=True: RMSNorm over the head size on q and k (before RoPE); adds
+  `layers.{i}.attn.q_norm.weight` and `layers.{i}.attn.k_norm.weight`.
+- sliding_window=W: each query attends to at most the last W keys; no keys change.
+- qkv_bias=True: adds `layers.{i}.attn.{q,k,v}_proj.bias` (Qwen2's layout).
 - packed_qkv_backward: True (default) with fused_projections and "flash_triton" on CUDA makes
   q/k/v's backward one matmul each way as well (see attention.py); elsewhere it changes nothing;
   no keys change.
@@ -110,6 +116,10 @@ class TransformerBlock(nn.Module):
         qkv_init: str = "fused",
         fused_projections: bool = True,
         packed_qkv_backward: bool = True,
+        num_kv_heads: int | None = None,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+        qkv_bias: bool = False,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         rope: RotaryEmbedding | None = None,
@@ -132,6 +142,11 @@ class TransformerBlock(nn.Module):
             qkv_init=qkv_init,
             fused_qkv=fused_projections,
             packed_backward=packed_qkv_backward,
+            num_kv_heads=num_kv_heads,
+            qk_norm=qk_norm,
+            sliding_window=sliding_window,
+            qkv_bias=qkv_bias,
+            norm_eps=rmsnorm_eps,
             layer_idx=layer_idx,
             device=device,
             dtype=dtype,
@@ -180,6 +195,10 @@ class TransformerLM(nn.Module):
         qkv_init: str = "fused",
         fused_projections: bool = True,
         packed_qkv_backward: bool = True,
+        num_kv_heads: int | None = None,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+        qkv_bias: bool = False,
         rmsnorm_eps: float = 1e-5,
         moe_options: dict[str, Any] | None = None,
         logit_softcap: float = 0.0,
@@ -212,6 +231,10 @@ class TransformerLM(nn.Module):
                 qkv_init=qkv_init,
                 fused_projections=fused_projections,
                 packed_qkv_backward=packed_qkv_backward,
+                num_kv_heads=num_kv_heads,
+                qk_norm=qk_norm,
+                sliding_window=sliding_window,
+                qkv_bias=qkv_bias,
                 rmsnorm_eps=rmsnorm_eps,
                 moe_options=moe_options,
                 rope=rope,
@@ -342,6 +365,10 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         qkv_init=cfg.qkv_init,
         fused_projections=cfg.fused_projections,
         packed_qkv_backward=cfg.packed_qkv_backward,
+        num_kv_heads=cfg.num_kv_heads,
+        qk_norm=cfg.qk_norm,
+        sliding_window=cfg.sliding_window,
+        qkv_bias=cfg.qkv_bias,
         rmsnorm_eps=cfg.rmsnorm_eps,
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
         logit_softcap=cfg.logit_softcap,
