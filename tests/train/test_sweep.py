@@ -65,6 +65,8 @@ def test_a_key_given_twice_and_no_grid_are_refused():
     ("optim.lr=1e-3,fast", "optim.lr must be a number"),
     ("optim.lr=1e-3,-1", "optim.lr and optim.min_lr must be >= 0"),
     ("model.d_model=32,30", "d_model"),  # 30 is not divisible by 4 heads
+    ("model.vocab_size=48,40", "vocab"),  # the token files hold ids up to 47
+    ("model.context_length=16,1000", "context"),  # the validation file is shorter than one window
 ])
 def test_unknown_keys_and_invalid_values_fail_before_any_run(preset, tmp_path, spec, message):
     out = tmp_path / "sweep"
@@ -109,7 +111,8 @@ def test_a_2x2_sweep_writes_four_runs_and_a_summary_that_matches_their_metrics(p
         assert row["values"] == {"optim.lr": cfg.optim.lr, "model.d_model": cfg.model.d_model}
         assert row["final_val_loss"] == evals[-1] and row["best_val_loss"] == min(evals)
         assert row["steps"] == 4 and row["tokens"] == 4 * 4 * 16 and row["finished"]
-        wall = sum(4 * 16 / r["tokens_per_s"] for r in train)
+        timed = [r["elapsed_s"] for r in read_metrics(run / "metrics.jsonl") if "elapsed_s" in r]
+        wall = max(timed) if timed else sum(4 * 16 / r["tokens_per_s"] for r in train)
         assert row["wall_s"] == pytest.approx(wall) and row["tokens_per_s"] == pytest.approx(4 * 64 / wall)
     assert [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()] == rows
     table = (out / "summary.md").read_text().splitlines()
@@ -183,6 +186,20 @@ def test_a_changed_config_is_refused_before_any_point_runs(preset, tmp_path):
     changed = plan_sweep(preset, ["--trainer.max_steps=6"], parse_grid(["optim.lr=1e-2"]), out)
     with pytest.raises(UserError, match="different config"):
         run_sweep(changed, out, echo=lambda line: None)
+
+
+def test_summary_prefers_the_elapsed_seconds_a_trainer_logs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[model]\ncontext_length = 16\n\n[trainer]\nbatch_size = 4\n")
+    records = [{"event": "train", "step": 5, "loss": 3.0, "tokens_per_s": 100.0},
+               {"event": "eval", "step": 5, "val_loss": 3.2}, {"event": "end", "step": 5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert summarize_run(run)["wall_s"] == pytest.approx(5 * 64 / 100.0)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "elapsed_s": 2.0 + i}) + "\n"
+                                               for i, r in enumerate(records)))
+    row = summarize_run(run)
+    assert row["wall_s"] == 4.0 and row["tokens_per_s"] == 5 * 64 / 4.0 and row["finished"]
 
 
 def test_summary_of_a_run_that_has_not_started():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scratchlm.config import ConfigError, config_to_toml, load_config
+from scratchlm.config import config_to_toml, load_config
 from scratchlm.errors import UserError
 from scratchlm.train.config import TrainConfig
 
@@ -149,10 +149,21 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         try:
             cfg = load_config(TrainConfig, preset, [*overrides, *point_overrides,
                                                     f"--trainer.out_dir={root / name}"])
-        except ConfigError as exc:
+            _check_data(cfg)
+        except UserError as exc:
             raise UserError(f"--grid point {name}: {exc}") from None
         points.append(SweepPoint(name, dict(values), cfg))
     return points
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """The token files fit the point's model (vocabulary, context length), so a grid over
+    model.vocab_size or model.context_length fails here rather than after the points before it."""
+    from scratchlm.data.token_file import open_checked
+
+    for what in ("train_path", "val_path"):
+        open_checked(getattr(cfg.data, what), vocab_size=cfg.model.vocab_size,
+                     context_length=cfg.model.context_length, what=f"data.{what}")
 
 
 def point_status(point: SweepPoint) -> str:
@@ -243,7 +254,7 @@ def _train_point(point: SweepPoint, *, resume: bool) -> None:
 def _is_out_of_memory(exc: Exception) -> bool:
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
 
 
 def _release_memory(*, compiled: bool) -> None:
@@ -274,9 +285,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
     ``final_val_loss`` is the last evaluation, ``best_val_loss`` the lowest; ``steps`` the last
     logged training step; ``tokens`` = steps x trainer.batch_size x model.context_length (from
-    the run's config.toml); ``wall_s`` the training loop's seconds, the sum over the log windows
-    of their tokens / tokens_per_s (evaluations and compilation inside a window included);
-    ``tokens_per_s`` = tokens / wall_s.
+    the run's config.toml); ``wall_s`` the training loop's seconds: the newest ``elapsed_s``
+    where the trainer logs one, else the sum over the log windows of their tokens / tokens_per_s
+    (evaluations and compilation inside a window included); ``tokens_per_s`` = tokens / wall_s.
     """
     import tomllib
 
@@ -295,6 +306,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         if r.get("event") == "train" and r["step"] > prev_step and r.get("tokens_per_s"):
             seconds += (r["step"] - prev_step) * tokens_per_step / r["tokens_per_s"]
             prev_step = r["step"]
+    elapsed = [r["elapsed_s"] for r in records if isinstance(r.get("elapsed_s"), (int, float))]
+    if elapsed:
+        seconds = max(elapsed)
     steps = max((r["step"] for r in records if r.get("event") == "train"), default=0)
     row.update(final_val_loss=evals[-1] if evals else None, best_val_loss=min(evals) if evals else None,
                steps=steps, tokens=steps * tokens_per_step, wall_s=seconds if seconds else None,
