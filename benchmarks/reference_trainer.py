@@ -9,15 +9,15 @@ random windows of a uint16 token file, follows the same warm-up + cosine schedul
 ``metrics.jsonl`` lines shaped like scratchlm's (``{"event": "train"|"eval", "step", ...}``),
 so ``benchmarks/training_report.py`` can compare the two runs step for step and second for second.
 
-With ``--time-budget-s N`` it trains for N seconds of wall clock instead of ``--steps`` (which
-then only caps the run): the clock starts at the first step, so compilation and the periodic
-evaluations count against the budget (there is no evaluation at step 0); warm-up is the first
-``--warmup`` steps, and the cosine decay runs over the rest of the budget, from the moment
-warm-up ended to N seconds (`lr_at_time`). Evaluations run the eager model (as scratchlm's
-single-process trainer does); at the end the model is evaluated on the periodic evaluations'
-windows, then on the whole validation file (``"full_validation": true``; the summary's
-``final_val_loss``), in sequential windows like `scratchlm eval --batches 0`. Records carry
-``elapsed_s``.
+With ``--time-budget-s N`` it trains for N seconds instead of ``--steps`` (which then only caps
+the run), with the meaning of scratchlm's ``trainer.time_budget_s``: the training clock starts
+at the first step (compilation counts) and stops during evaluations; the learning rate of update
+s (1-based) is ``min(1, s / warmup) · cosine(elapsed / N)`` from ``--lr`` to ``--min-lr``
+(`lr_at_time`, scratchlm's ``budget_lr``), so the decay ends when the time does. There is no
+evaluation at step 0; evaluations run the eager model (as scratchlm's single-process trainer
+does). At the end the model is evaluated on the periodic evaluations' windows, then on the whole
+validation file (``"full_validation": true``; the summary's ``final_val_loss``), in sequential
+windows like ``scratchlm eval --batches 0``. Records carry ``elapsed_s``, the training clock.
 
     python benchmarks/reference_trainer.py --train-bin train.bin --val-bin valid.bin --out ref/
     python benchmarks/reference_trainer.py --train-bin train.bin --val-bin valid.bin --out ref/ --time-budget-s 60
@@ -46,14 +46,16 @@ def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, cycle: int) -> f
     return min_lr
 
 
-def lr_at_time(step: int, elapsed: float, budget: float, max_lr: float, min_lr: float, warmup: int,
-               warmup_end: float) -> float:
-    """The learning rate of a time-budget run: linear warm-up over the first `warmup` steps (as
-    `lr_at`), then cosine from `max_lr` at `warmup_end` seconds to `min_lr` at `budget` seconds."""
-    if step < warmup:
-        return max_lr * step / warmup
-    progress = min(max((elapsed - warmup_end) / max(budget - warmup_end, 1e-9), 0.0), 1.0)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+def lr_at_time(update: int, progress: float, max_lr: float, min_lr: float, warmup: int) -> float:
+    """The learning rate of update `update` (1-based) of a time-budget run when `progress` =
+    elapsed / budget: warm-up in updates scaling a cosine over the budget.
+
+    >>> lr_at_time(5, 0.5, 1.0, 0.0, 10)
+    0.25
+    """
+    warm = min(1.0, update / warmup) if warmup > 0 else 1.0
+    progress = min(max(progress, 0.0), 1.0)
+    return warm * (min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,18 +200,15 @@ def train_for_time(args, model, step_model, opt, train: np.ndarray, val: np.ndar
     rng = np.random.default_rng(args.seed)
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda")
     budget, tokens_seen, step = args.time_budget_s, 0, 0
-    warmup_end = 0.0
+    paused = 0.0  # seconds spent evaluating, off the training clock
 
-    def record(event: dict) -> None:
-        log.write(json.dumps({**event, "tokens": tokens_seen, "elapsed_s": time.perf_counter() - start}) + "\n")
-        log.flush()
+    def clock() -> float:
+        return time.perf_counter() - start - paused
 
     start = time.perf_counter()
-    while step < args.steps and time.perf_counter() - start < budget:
-        elapsed = time.perf_counter() - start
-        if step == args.warmup:
-            warmup_end = elapsed
-        lr = lr_at_time(step, elapsed, budget, args.lr, args.min_lr, args.warmup, warmup_end)
+    elapsed = 0.0
+    while step < args.steps and elapsed < budget:
+        lr = lr_at_time(step + 1, elapsed / budget, args.lr, args.min_lr, args.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = window_batch(train, rng.integers(0, len(train) - T - 1, size=B), T, device)
@@ -223,15 +222,24 @@ def train_for_time(args, model, step_model, opt, train: np.ndarray, val: np.ndar
         opt.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += B * T
+        elapsed = clock()
         if step % args.log_interval == 0:
-            record({"event": "train", "step": step, "loss": loss.item(), "lr": lr})
+            log.write(json.dumps({"event": "train", "step": step, "loss": loss.item(), "lr": lr,
+                                  "tokens": tokens_seen, "elapsed_s": elapsed}) + "\n")
         if step % args.eval_interval == 0:
+            if device == "cuda":
+                torch.cuda.synchronize()  # the queued steps are training time
+            elapsed = clock()
+            pause_start = time.perf_counter()
             val_loss = evaluate_windows(model, val, B, T, device, args.eval_batches * B)
-            record({"event": "eval", "step": step, "val_loss": val_loss})
-            print(f"step {step:6d} | val {val_loss:.4f} | {time.perf_counter() - start:7.1f}s")
+            paused += time.perf_counter() - pause_start
+            log.write(json.dumps({"event": "eval", "step": step, "val_loss": val_loss, "tokens": tokens_seen,
+                                  "elapsed_s": elapsed}) + "\n")
+            log.flush()
+            print(f"step {step:6d} | val {val_loss:.4f} | {elapsed:7.1f}s")
     if device == "cuda":
         torch.cuda.synchronize()
-    train_seconds = time.perf_counter() - start
+    train_seconds = clock()
     # The final model on the periodic evaluations' windows (a point of the same curve), then on
     # the whole file (the figure the run is judged by).
     window_loss = evaluate_windows(model, val, B, T, device, args.eval_batches * B)

@@ -11,9 +11,10 @@ trainers run once, one after the other, each in a fresh process:
 - **scratchlm**: ``scratchlm train PRESET --trainer.time_budget_s=N`` with the speed settings and
   ``--recipe`` overrides of `scratchlm_train_command`, the one place that builds its command line.
 
-Both schedule their learning rate over the budget (warm-up in steps, then the decay to min_lr
-when time runs out), both evaluate the first ``eval_batches`` x ``batch_size`` validation windows
-every ``--eval-interval`` steps (the clock runs on), and the loss compared is each model's on the
+Both keep the same training clock (from the first step, compilation included, stopped during
+evaluations) and schedule (warm-up in steps scaling a cosine decay over elapsed / budget), both
+evaluate the first ``eval_batches`` x ``batch_size`` validation windows every
+``--eval-interval`` steps, and the loss compared is each model's on the
 whole validation file: the reference's own final evaluation, and ``scratchlm eval RUN --batches 0``
 for scratchlm, which reads the same sequential windows. "Time to the reference's loss" is when a
 run's validation curve first reaches the reference's final loss of that budget, interpolated
@@ -89,6 +90,12 @@ def recipe_overrides(recipe: list[str]) -> list[str]:
     return out
 
 
+def log_interval(eval_interval: int) -> int:
+    """A tenth of the evaluation interval where that divides it, else the interval itself: every
+    evaluation then has a train record at its step (and its seconds), and both sides log alike."""
+    return eval_interval // 10 if eval_interval % 10 == 0 else eval_interval
+
+
 def scratchlm_train_command(shape: Shape, *, budget_s: float, out: Path, data: dict[str, Any], eval_interval: int,
                             recipe: list[str], cuda: bool) -> list[str]:
     """The `scratchlm train` command line of one budget: the scratchlm side of the comparison.
@@ -103,7 +110,7 @@ def scratchlm_train_command(shape: Shape, *, budget_s: float, out: Path, data: d
             f"--data.val_path={data['val_bin']}", f"--data.tokenizer_dir={data['tokenizer']}",
             f"--trainer.out_dir={out}", f"--trainer.time_budget_s={budget_s:g}", f"--trainer.max_steps={MAX_STEPS}",
             "--trainer.eval_at_start=false", f"--trainer.eval_interval={eval_interval}",
-            f"--trainer.log_interval={max(1, eval_interval // 10)}", "--trainer.checkpoint_interval=0",
+            f"--trainer.log_interval={log_interval(eval_interval)}", "--trainer.checkpoint_interval=0",
             "--trainer.sample_tokens=0", "--trainer.progress=false", *speed, *recipe_overrides(recipe),
             "--overwrite"]
 
@@ -120,7 +127,7 @@ def reference_command(cfg, *, budget_s: float, lr: float, out: Path, data: dict[
             "--batch-size", str(t.batch_size), "--steps", str(MAX_STEPS), "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}",
             "--warmup", str(o.warmup_steps), "--weight-decay", str(o.weight_decay), "--beta1", str(o.beta1),
             "--beta2", str(o.beta2), "--grad-clip", str(o.grad_clip), "--eval-interval", str(eval_interval),
-            "--eval-batches", str(t.eval_batches), "--log-interval", str(max(1, eval_interval // 10)),
+            "--eval-batches", str(t.eval_batches), "--log-interval", str(log_interval(eval_interval)),
             "--seed", str(t.seed), "--time-budget-s", f"{budget_s:g}", *(["--compile"] if cuda else [])]
 
 
@@ -134,7 +141,7 @@ def run_logged(cmd: list[str], log_path: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(cmd[1:]), flush=True)
     with open(log_path, "w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:])
         raise RuntimeError(f"{cmd[1]} {cmd[2] if len(cmd) > 2 else ''} failed ({done.returncode}); "

@@ -22,13 +22,14 @@ def tokens(tmp_path):
             "val_bin": write_tokens(tmp_path / "val.bin", 3_000, 1), "tokenizer": "", "vocab_size": VOCAB}
 
 
-def test_lr_at_time_warms_up_in_steps_then_decays_over_the_rest_of_the_budget():
+def test_lr_at_time_is_a_warm_up_in_updates_scaling_a_cosine_over_the_budget():
     lr_at_time = load("reference_trainer").lr_at_time
-    assert lr_at_time(5, 0.3, 10.0, 1e-2, 1e-3, 10, 0.0) == pytest.approx(5e-3)  # warm-up: step / warmup
-    assert lr_at_time(10, 2.0, 10.0, 1e-2, 1e-3, 10, 2.0) == pytest.approx(1e-2)
-    mid = 1e-3 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 9e-3  # half way from 2 s to 10 s
-    assert lr_at_time(50, 6.0, 10.0, 1e-2, 1e-3, 10, 2.0) == pytest.approx(mid)
-    assert lr_at_time(99, 12.0, 10.0, 1e-2, 1e-3, 10, 2.0) == pytest.approx(1e-3)  # past the budget
+    cosine = lambda p: 1e-3 + 0.5 * (1 + math.cos(math.pi * p)) * 9e-3  # noqa: E731
+    assert lr_at_time(1, 0.0, 1e-2, 1e-3, 10) == pytest.approx(1e-3)  # update 1 of 10 warm-up updates
+    assert lr_at_time(5, 0.3, 1e-2, 1e-3, 10) == pytest.approx(0.5 * cosine(0.3))
+    assert lr_at_time(50, 0.5, 1e-2, 1e-3, 10) == pytest.approx(cosine(0.5))
+    assert lr_at_time(99, 1.2, 1e-2, 1e-3, 10) == pytest.approx(1e-3)  # past the budget: min_lr
+    assert lr_at_time(1, 0.0, 1e-2, 1e-3, 0) == pytest.approx(1e-2)  # no warm-up
 
 
 @pytest.mark.parametrize("max_windows", [None, 8, 5])
@@ -47,15 +48,17 @@ def test_reference_evaluation_reads_the_windows_scratchlm_eval_reads(tokens, max
 
 
 def test_reference_time_budget_run_stops_on_time_and_evaluates_the_whole_file(tokens, tmp_path):
-    out = tmp_path / "ref"
-    load("reference_trainer").main([
+    reference_trainer = load("reference_trainer")
+    out, budget = tmp_path / "ref", 1.5
+    reference_trainer.main([
         "--train-bin", tokens["train_bin"], "--val-bin", tokens["val_bin"], "--out", str(out),
         "--vocab-size", str(VOCAB), "--context-length", "16", "--d-model", "32", "--num-layers", "1",
         "--num-heads", "4", "--d-ff", "48", "--batch-size", "4", "--warmup", "5", "--eval-interval", "20",
-        "--eval-batches", "2", "--log-interval", "5", "--lr", "1e-2", "--time-budget-s", "1.5"])
+        "--eval-batches", "2", "--log-interval", "1", "--lr", "1e-2", "--min-lr", "1e-3",
+        "--time-budget-s", str(budget)])
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert 1.5 <= summary["train_seconds"] < 3.0 and summary["steps"] > 20
+    assert budget <= summary["train_seconds"] < 2 * budget and summary["steps"] > 20
     assert summary["tokens"] == summary["steps"] * 4 * 16
     evals = [r for r in records if r["event"] == "eval"]
     assert [r["step"] for r in evals[:-2]] == list(range(20, summary["steps"] + 1, 20))  # none at step 0
@@ -64,8 +67,14 @@ def test_reference_time_budget_run_stops_on_time_and_evaluates_the_whole_file(to
     assert evals[-2]["val_loss"] == summary["final_window_val_loss"]
     elapsed = [r["elapsed_s"] for r in records]
     assert elapsed == sorted(elapsed) and elapsed[-1] == summary["train_seconds"]
-    lrs = [r["lr"] for r in records if r["event"] == "train"]
-    assert lrs[0] < 1e-2 and max(lrs) == pytest.approx(1e-2, rel=0.05) and lrs[-1] < 2e-3  # decayed by the end
+    # Each update's rate is the schedule at the clock the previous record read.
+    clock, train = 0.0, [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, summary["steps"] + 1))
+    for r in records[:-2]:
+        if r["event"] == "train":
+            assert r["lr"] == pytest.approx(reference_trainer.lr_at_time(r["step"], clock / budget, 1e-2, 1e-3, 5))
+        clock = r["elapsed_s"]
+    assert train[0]["lr"] == pytest.approx(2e-3) and train[-1]["lr"] < 2e-3
 
 
 def test_scratchlm_command_line_carries_the_budget_the_data_and_the_recipe_last(tokens, tmp_path):
