@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "encode a text corpus to a flat uint16 token file, on all cores"),
     "train": ("scratchlm.cli.train", "train_command",
               "train a Transformer LM from a TOML config"),
+    "sweep": ("scratchlm.cli.sweep", "sweep_command", "train a run per point of a grid of config values"),
     "eval": ("scratchlm.cli.train", "eval_command",
              "validation loss of a trained model on a token file"),
     "generate": ("scratchlm.cli.infer", "generate_command",

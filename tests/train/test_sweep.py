@@ -1,0 +1,223 @@
+import json
+from dataclasses import replace
+
+import pytest
+
+from scratchlm.config import load_config, save_config
+from scratchlm.errors import UserError
+from scratchlm.train import sweep as sweep_mod
+from scratchlm.train.config import TrainConfig
+from scratchlm.train.metrics import read_metrics
+from scratchlm.train.sweep import (
+    GridAxis, grid_points, parse_grid, plan_sweep, point_name, run_sweep, summarize_run,
+)
+from scratchlm.train.trainer import Trainer
+from tests.train.small_runs import losses, make_cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GRID = ["optim.lr=1e-2,3e-3", "model.d_model=32,16"]
+NAMES = ["optim.lr=1e-2__model.d_model=32", "optim.lr=1e-2__model.d_model=16",
+         "optim.lr=3e-3__model.d_model=32", "optim.lr=3e-3__model.d_model=16"]
+
+
+@pytest.fixture
+def preset(tmp_path):
+    """A tiny CPU config (4 steps, evaluations at 0, 2, 4) saved as a TOML preset."""
+    cfg = make_cfg(tmp_path, max_steps=4, eval_interval=2, checkpoint_interval=2, log_interval=1)
+    path = tmp_path / "tiny.toml"
+    save_config(cfg, path)
+    return path
+
+
+def test_parse_grid_and_the_product_in_grid_order():
+    axes = parse_grid(GRID)
+    assert axes == [GridAxis("optim.lr", ("1e-2", "3e-3")), GridAxis("model.d_model", ("32", "16"))]
+    assert [point_name(p) for p in grid_points(axes)] == NAMES
+    assert point_name({"trainer.device": "cuda:1", "data.train_path": "a/b c"}) == \
+        "trainer.device=cuda_1__data.train_path=a_b_c"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("optim.lr", "must look like section.key=v1,v2"),
+    ("lr=1e-3", "not a dotted config key"),
+    ("optim..lr=1", "not a dotted config key"),
+    ("optim.lr=", "empty value"),
+    ("optim.lr=1e-3,,3e-3", "empty value"),
+    ("optim.lr=1e-3,1e-3", "lists a value twice"),
+    ("trainer.out_dir=a,b", "cannot be swept"),
+])
+def test_bad_grid_syntax_is_one_line(spec, message):
+    with pytest.raises(UserError, match=message) as err:
+        parse_grid([spec])
+    assert "\n" not in str(err.value)
+
+
+def test_a_key_given_twice_and_no_grid_are_refused():
+    with pytest.raises(UserError, match="names optim.lr twice"):
+        parse_grid(["optim.lr=1e-3", "optim.lr=3e-3"])
+    with pytest.raises(UserError, match="at least one --grid"):
+        parse_grid([])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("optim.lrr=1e-3,3e-3", "unknown config key 'optim.lrr'"),
+    ("optim.lr=1e-3,fast", "optim.lr must be a number"),
+    ("optim.lr=1e-3,-1", "optim.lr and optim.min_lr must be >= 0"),
+    ("model.d_model=32,30", "d_model"),  # 30 is not divisible by 4 heads
+    ("model.vocab_size=48,40", "vocab"),  # the token files hold ids up to 47
+    ("model.context_length=16,1000", "context"),  # the validation file is shorter than one window
+])
+def test_unknown_keys_and_invalid_values_fail_before_any_run(preset, tmp_path, spec, message):
+    out = tmp_path / "sweep"
+    with pytest.raises(UserError, match=message) as err:
+        plan_sweep(preset, [], parse_grid([spec]), out)
+    assert "--grid point" in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_a_sweep_needs_validation_data_and_one_process(preset, tmp_path):
+    with pytest.raises(UserError, match="data.val_path"):
+        plan_sweep(preset, ["--data.val_path="], parse_grid(GRID), tmp_path / "s")
+    with pytest.raises(UserError, match="does not exist"):
+        plan_sweep(preset, [f"--data.train_path={tmp_path / 'missing.bin'}"], parse_grid(GRID), tmp_path / "s")
+    with pytest.raises(UserError, match="parallel.strategy"):
+        plan_sweep(preset, ["--parallel.strategy=ddp"], parse_grid(GRID), tmp_path / "s")
+
+
+def test_a_2x2_sweep_writes_four_runs_and_a_summary_that_matches_their_metrics(preset, tmp_path):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(GRID), out)
+    lines = []
+    rows = run_sweep(points, out, echo=lines.append)
+
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(NAMES)
+    assert [line.split(":")[0] for line in lines] == [
+        "point 1/4 optim.lr=1e-2 model.d_model=32", "point 2/4 optim.lr=1e-2 model.d_model=16",
+        "point 3/4 optim.lr=3e-3 model.d_model=32", "point 4/4 optim.lr=3e-3 model.d_model=16"]
+    assert all(" val " in line and line.endswith(" s)") for line in lines)
+    base = load_config(TrainConfig, preset)
+    for point, row in zip(points, rows):
+        run = out / point.name
+        cfg = load_config(TrainConfig, run / "config.toml")
+        # Each point is the base config with its own values; all read the same token files.
+        assert (cfg.optim.lr, cfg.model.d_model) == (float(point.values["optim.lr"]),
+                                                     int(point.values["model.d_model"]))
+        assert cfg.data == base.data and cfg.trainer.out_dir == str(run)
+        assert replace(cfg, optim=base.optim, model=base.model, trainer=base.trainer) == base
+        evals = [v for _, v in losses(run, "eval", "val_loss")]
+        train = [r for r in read_metrics(run / "metrics.jsonl") if r["event"] == "train"]
+        assert len(evals) == 3 and [r["step"] for r in train] == [1, 2, 3, 4]
+        assert row["values"] == {"optim.lr": cfg.optim.lr, "model.d_model": cfg.model.d_model}
+        assert row["final_val_loss"] == evals[-1] and row["best_val_loss"] == min(evals)
+        assert row["steps"] == 4 and row["tokens"] == 4 * 4 * 16 and row["finished"]
+        timed = [r["elapsed_s"] for r in read_metrics(run / "metrics.jsonl") if "elapsed_s" in r]
+        wall = max(timed) if timed else sum(4 * 16 / r["tokens_per_s"] for r in train)
+        assert row["wall_s"] == pytest.approx(wall) and row["tokens_per_s"] == pytest.approx(4 * 64 / wall)
+    assert [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()] == rows
+    table = (out / "summary.md").read_text().splitlines()
+    assert table[0].startswith("| optim.lr | model.d_model | final val loss") and len(table) == 2 + 4 + 2
+    best = min(rows, key=lambda r: r["final_val_loss"])
+    assert f"**{best['final_val_loss']:.4f}**" in "\n".join(table) and best["name"] in table[-1]
+    assert (out / "sweep.png").stat().st_size > 1000
+
+
+def test_rerunning_skips_finished_points_and_resumes_an_unfinished_one(preset, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2,3e-3"]), out)
+    # The sweep was killed during point 2, after its checkpoint at step 2.
+    run_sweep(points[:1], out, echo=lambda line: None)
+    killed = Trainer(points[1].cfg, points[1].run_dir)
+    killed.fit(until=2)
+    killed.logger.close()
+    finished_log = (points[0].run_dir / "metrics.jsonl").read_text()
+
+    started = []
+    real_train = sweep_mod._train_point
+
+    def recording(point, *, resume):
+        started.append((point.name, resume))
+        real_train(point, resume=resume)
+
+    monkeypatch.setattr(sweep_mod, "_train_point", recording)
+    lines = []
+    rows = run_sweep(points, out, echo=lines.append)
+    assert started == [(points[1].name, True)]
+    assert "finished already" in lines[0] and "finished already" not in lines[1]
+    assert (points[0].run_dir / "metrics.jsonl").read_text() == finished_log
+    assert [r["finished"] for r in rows] == [True, True]
+
+    # The resumed point logs what an uninterrupted run logs (deterministic runs, exact resume).
+    fresh = replace(points[1].cfg, trainer=replace(points[1].cfg.trainer, out_dir=str(tmp_path / "whole")))
+    whole = Trainer(fresh, tmp_path / "whole")
+    whole.fit()
+    whole.logger.close()
+    assert losses(points[1].run_dir) == losses(tmp_path / "whole")
+    assert losses(points[1].run_dir, "eval", "val_loss") == losses(tmp_path / "whole", "eval", "val_loss")
+
+    started.clear()
+    run_sweep(points, out, echo=lines.append)
+    assert started == []
+
+
+def test_a_failed_point_is_reported_and_the_sweep_goes_on(preset, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=10,1e-2"]), out)
+    real_train = sweep_mod._train_point
+
+    def diverge_at_lr_10(point, *, resume):
+        if point.cfg.optim.lr == 10:
+            raise UserError("the training loss became nan at step 3; try a lower optim.lr")
+        real_train(point, resume=resume)
+
+    monkeypatch.setattr(sweep_mod, "_train_point", diverge_at_lr_10)
+    lines = []
+    rows = run_sweep(points, out, echo=lines.append)
+    assert "failed" in lines[0] and "loss became nan" in lines[0] and " val " in lines[1]
+    assert rows[0]["error"].startswith("the training loss became nan") and "error" not in rows[1]
+    assert rows[1]["final_val_loss"] is not None
+    assert "failed: the training loss became nan" in (out / "summary.md").read_text()
+
+
+def test_a_changed_config_is_refused_before_any_point_runs(preset, tmp_path):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2"]), out)
+    run_sweep(points, out, echo=lambda line: None)
+    changed = plan_sweep(preset, ["--trainer.max_steps=6"], parse_grid(["optim.lr=1e-2"]), out)
+    with pytest.raises(UserError, match="different config"):
+        run_sweep(changed, out, echo=lambda line: None)
+
+
+def test_summary_prefers_the_elapsed_seconds_a_trainer_logs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[model]\ncontext_length = 16\n\n[trainer]\nbatch_size = 4\n")
+    records = [{"event": "train", "step": 5, "loss": 3.0, "tokens_per_s": 100.0},
+               {"event": "eval", "step": 5, "val_loss": 3.2}, {"event": "end", "step": 5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert summarize_run(run)["wall_s"] == pytest.approx(5 * 64 / 100.0)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "elapsed_s": 2.0 + i}) + "\n"
+                                               for i, r in enumerate(records)))
+    row = summarize_run(run)
+    assert row["wall_s"] == 4.0 and row["tokens_per_s"] == 5 * 64 / 4.0 and row["finished"]
+
+
+def test_summary_of_a_run_that_has_not_started():
+    row = summarize_run("/nonexistent/run")
+    assert row["final_val_loss"] is None and row["steps"] == 0 and not row["finished"]
+
+
+def test_log_x_for_learning_rates_and_wide_numeric_axes():
+    assert sweep_mod._is_lr_like("optim.lr", [1e-3, 3e-3])
+    assert sweep_mod._is_lr_like("optim.min_lr", [1e-4, 1e-3])
+    assert sweep_mod._is_lr_like("trainer.batch_size", [1, 100])
+    assert not sweep_mod._is_lr_like("model.d_model", [256, 512])
+    assert not sweep_mod._is_lr_like("optim.schedule", ["cosine", "linear"])
+
+
+def test_the_plot_takes_non_numeric_values_and_three_keys(tmp_path):
+    rows = [{"name": f"p{i}", "values": {"optim.schedule": s, "model.d_model": d, "optim.lr": 1e-3},
+             "final_val_loss": 3.0 + i / 10} for i, (s, d) in enumerate(
+                 [("cosine", 16), ("cosine", 32), ("linear", 16), ("linear", 32)])]
+    path = sweep_mod.plot_sweep(rows, tmp_path / "sweep.png")
+    assert path.stat().st_size > 1000
