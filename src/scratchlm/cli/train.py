@@ -60,7 +60,7 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
         strategy.close()
 
 
-INIT_ONLY = frozenset({"qkv_init"})  # model fields that only change the initial weights
+INIT_ONLY = frozenset({"qkv_init", "zero_init_output"})  # model fields that only change the initial weights
 COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model fields that only change how the same maths runs
 
 
