@@ -25,8 +25,9 @@ also carry ``tokens`` (trained so far); eval records carry ``tokens_per_s``, the
 training clock, and ``val_tokens``, the number of tokens scored.
 
 Mixture-of-experts models (``model.ffn="moe"``): each micro-batch backpropagates
-``cross_entropy + moe_aux_coef · Σ_layers load_balance + moe_z_coef · Σ_layers z_loss`` (scaled
-by 1/accum like the rest), read from the MoE layers' ``last_aux`` right after the forward and
+``cross_entropy + moe_aux_coef · load_balance + moe_z_coef · Σ_layers z_loss`` (scaled by 1/accum
+like the rest; load_balance is Σ_layers of each layer's loss, or one loss over all layers' routing
+with ``model.moe_aux_scope="model"``: ``scratchlm.model.moe.moe_aux_loss``), read from the MoE layers' ``last_aux`` right after the forward and
 before the backward, so the recomputation of activation checkpointing (which runs the forward
 again inside the backward) never adds them twice; under ``torch.compile`` ``last_aux`` is set
 by the compiled forward and holds its real output tensors. ``loss`` in the log stays the
