@@ -76,6 +76,25 @@ def test_steps_equal_the_hand_written_reference(shape):
     assert (q.detach() - w0).pow(2).mean().sqrt() == pytest.approx(0.2, rel=0.15)
 
 
+def test_matrices_of_one_shape_are_stepped_together_each_as_on_its_own():
+    """Same-shaped matrices are orthogonalised as one stack; each still gets its own reference step."""
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(24, 40), (40, 24), (24, 40), (24, 40)]
+    w0 = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for _ in range(3)] for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
+    for step in range(3):
+        for p, g in zip(params, grads):
+            p.grad = g[step].clone()
+        params[3].grad = None if step == 1 else params[3].grad  # a matrix without a gradient is skipped
+        opt.step()
+    for i, (p, w, g) in enumerate(zip(params, w0, grads)):
+        g = [g[0], g[2]] if i == 3 else g
+        torch.testing.assert_close(p.detach(), _reference_muon(w, g, lr=0.05, momentum=0.9, wd=0.1),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_non_muon_groups_are_adamw_bit_for_bit():
     gen = torch.Generator().manual_seed(2)
     params = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]

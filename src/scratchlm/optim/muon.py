@@ -135,21 +135,28 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
+        # Matrices of one shape are orthogonalised together, as one stack: a 12-layer model has a
+        # handful of shapes, so a step is a few batched Newton-Schulz runs rather than one per matrix.
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        by_shape: dict[tuple, list[Tensor]] = {}
         for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(grad)
-            update = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            ortho = newton_schulz(update, group["ns_steps"], dtype=self.ns_dtype)
+            if p.grad is not None:
+                by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
+        for (shape, dtype, _), params in by_shape.items():
+            grads = [p.grad for p in params]
+            bufs = []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+            ortho = newton_schulz(torch.stack(updates), group["ns_steps"], dtype=self.ns_dtype).to(dtype)
             if wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-            p.add_(ortho.to(p.dtype), alpha=-lr * muon_scale(p.shape))
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-lr * muon_scale(shape))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; AdamW `step` counters saved as tensors become ints."""
