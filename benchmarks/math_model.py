@@ -485,7 +485,6 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
         ax.plot(*zip(*pre["val_loss"]), "o-", label="validation (held-out books)")
     ax.set_title("pretraining loss")
     ax.set_xlabel("step")
-    ax.legend()
     ax = axes[0][1]
     sft = [r for r in results.get("sft", {}).get("history", []) if "loss" in r]
     if sft:
@@ -505,7 +504,6 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
     ax.set_title("GRPO")
     ax.set_xlabel("step")
     ax.set_ylim(0, 1.05)
-    ax.legend()
     ax = axes[1][1]
     names = list(results.get("gsm8k_test", {}))
     if names:
@@ -517,8 +515,10 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(list(xs), names)
         top = max(100 * max(s[k] for s in results["gsm8k_test"].values()) for k in ("accuracy", "format_rate"))
         ax.set_ylim(0, max(5.0, 1.2 * top))  # accuracies of a few percent stay visible
-        ax.legend()
     ax.set_title("GSM8K test (%), as measured")
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(f"math model, {results['scale']} scale on {results['machine']['gpu'] or 'CPU'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
