@@ -10,7 +10,8 @@ Stages, each recorded in OUT/stages/NAME.json when it succeeds and skipped on a 
 while that record exists (`--from STAGE` reruns a stage and every one after it):
 
 1. data: the Project Gutenberg training books (../shared/data/gutenberg/train_*.txt.zst) and
-   the GSM8K and MATH *training* sets as "question + worked solution" documents, the math
+   the GSM8K and MATH *training* sets as "question + worked solution" documents (in the
+   question_only format: "{question}\nAnswer: {solution}\n#### {answer}"), the math
    documents repeated `math_repeat` times and spread evenly between the books, joined by
    <|endoftext|>; validation text is the held-out Gutenberg books. No test problem is read
    into the mix (any training problem equal to a test problem is dropped and counted).
@@ -20,7 +21,9 @@ while that record exists (`--from STAGE` reruns a stage and every one after it):
 4. pretrain: `scratchlm train configs/math-lm.toml` with the scale's overrides; an
    interrupted run resumes from its last checkpoint.
 5. eval_base, eval_sft, eval_grpo: `scratchlm eval-math` on the GSM8K test set (r1_zero
-   prompt, greedy) of the pretrained model, the SFT policy and the GRPO policy.
+   prompt, greedy) of the pretrained model, the SFT policy and the GRPO policy;
+   eval_base_question_only grades the pretrained model in the format of its math documents
+   (`--template question_only`: the question, "Answer:", the number after "####").
 6. sft: `scratchlm sft align-sft` on GSM8K train (r1_zero format, loss on the response).
 7. grpo: `scratchlm grpo align-grpo` on GSM8K train from the SFT policy.
 
@@ -51,7 +54,10 @@ from scratchlm.errors import UserError
 EOT = "<|endoftext|>"
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "math-lm.toml"
-STAGES = ("data", "tokenizer", "encode", "pretrain", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo")
+STAGES = ("data", "tokenizer", "encode", "pretrain", "eval_base", "eval_base_question_only", "sft", "eval_sft",
+          "grpo", "eval_grpo")
+EVALS = {"base": "pretrained, r1_zero", "base_question_only": "pretrained, question_only",
+         "sft": "after SFT, r1_zero", "grpo": "after GRPO, r1_zero"}
 
 
 @dataclass
@@ -186,9 +192,14 @@ def split_documents(text: str) -> list[str]:
 def math_documents(data_dir: Path, *, gsm8k_limit: int, math_limit: int) -> tuple[list[str], dict[str, int]]:
     """GSM8K and MATH training problems with their worked solutions as text documents, and counts.
 
-    A training problem whose text is also a test problem (of either set) is left out, so that
-    nothing graded later was seen in pretraining."""
+    A document is the question_only prompt and response ("{question}\nAnswer: {solution}",
+    GSM8K's ending "\n#### {answer}"), so the pretrained model can be graded in the format it
+    read. A training problem whose text is also a test problem (of either set) is left out, so
+    that nothing graded later was seen in pretraining."""
     from scratchlm.align.datasets import load_examples
+    from scratchlm.align.prompts import get_template
+
+    template = get_template("question_only")
 
     test_questions = {ex.question.strip() for name in ("gsm8k", "math")
                       for ex in load_examples(name, "test", data_dir=data_dir)}
@@ -199,9 +210,9 @@ def math_documents(data_dir: Path, *, gsm8k_limit: int, math_limit: int) -> tupl
                 counts["dropped_equal_to_a_test_problem"] += 1
                 continue
             if name == "gsm8k":  # the reasoning without calculator annotations, as SFT sees it
-                doc = f"Question: {ex.question.strip()}\nAnswer: {ex.reasoning}\n#### {ex.answer}"
-            else:
-                doc = f"Problem: {ex.question.strip()}\nSolution: {ex.reasoning}"
+                doc = template.format(ex.question) + template.response(ex.reasoning, ex.answer)
+            else:  # the solution ends in its \boxed{} answer
+                doc = f"{template.format(ex.question)} {ex.reasoning.strip()}"
             docs.append(doc.replace(EOT, ""))
             counts[name] += 1
     return docs, counts
@@ -370,12 +381,13 @@ class Pipeline:
         self.scratchlm(argv)
         return {}
 
-    def _eval(self, name: str, model: Path) -> dict[str, Any]:
+    def _eval(self, name: str, model: Path, template: str = "r1_zero") -> dict[str, Any]:
         out = self.out / "eval" / f"{name}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         argv = ["eval-math", str(model), "--dataset", "gsm8k", "--split", "test", "--data-dir", str(self.data_dir),
                 "--out", str(out), "--max-new-tokens", str(self.scale.eval_max_new_tokens),
-                "--batch-size", str(self.scale.eval_batch_size), "--device", self.device, "--seed", str(self.seed)]
+                "--batch-size", str(self.scale.eval_batch_size), "--device", self.device, "--seed", str(self.seed),
+                "--template", template]
         if self.scale.eval_limit:
             argv += ["--limit", str(self.scale.eval_limit)]
         self.scratchlm(argv)
@@ -391,6 +403,9 @@ class Pipeline:
 
     def stage_eval_base(self, redone: bool) -> dict[str, Any]:
         return self._eval("base", self.pretrain_dir)
+
+    def stage_eval_base_question_only(self, redone: bool) -> dict[str, Any]:
+        return self._eval("base_question_only", self.pretrain_dir, template="question_only")
 
     def stage_sft(self, redone: bool) -> dict[str, Any]:
         self._align("sft", "align-sft", self.pretrain_dir, self.out / "sft", self.scale.sft)
@@ -453,16 +468,14 @@ def collect_results(out: Path, scale_name: str, scale: Scale, device: str) -> di
         rows = read_jsonl(out / name / "metrics.jsonl")
         if rows:
             results[name] = {"history": rows}
-    results["gsm8k_test"] = {name: stages[f"eval_{name}"]["summary"] for name in ("base", "sft", "grpo")
-                             if f"eval_{name}" in stages}
+    results["gsm8k_test"] = {name: stages[f"eval_{name}"]["summary"] for name in EVALS if f"eval_{name}" in stages}
     return results
 
 
 def print_table(results: dict[str, Any]) -> None:
-    labels = {"base": "pretrained (before SFT)", "sft": "after SFT", "grpo": "after GRPO"}
-    print(f"\n{'GSM8K test (r1_zero, greedy)':<32}{'problems':>10}{'accuracy':>10}{'format':>10}")
+    print(f"\n{'GSM8K test, greedy':<32}{'problems':>10}{'accuracy':>10}{'format':>10}")
     for name, s in results["gsm8k_test"].items():
-        print(f"{labels[name]:<32}{s['total']:>10}{100 * s['accuracy']:>9.2f}%{100 * s['format_rate']:>9.2f}%")
+        print(f"{EVALS[name]:<32}{s['total']:>10}{100 * s['accuracy']:>9.2f}%{100 * s['format_rate']:>9.2f}%")
     if results.get("pretrain", {}).get("final_val_loss") is not None:
         print(f"pretraining: {results['pretrain']['steps']} steps, "
               f"final validation loss {results['pretrain']['final_val_loss']:.4f} (held-out Gutenberg books)")
@@ -512,7 +525,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
                label="accuracy")
         ax.bar([x + 0.2 for x in xs], [100 * results["gsm8k_test"][n]["format_rate"] for n in names], 0.4,
                label="format")
-        ax.set_xticks(list(xs), names)
+        ax.set_xticks(list(xs), [EVALS[n].replace(", ", "\n") for n in names])
         top = max(100 * max(s[k] for s in results["gsm8k_test"].values()) for k in ("accuracy", "format_rate"))
         ax.set_ylim(0, max(5.0, 1.2 * top))  # accuracies of a few percent stay visible
     ax.set_title("GSM8K test (%), as measured")
@@ -527,12 +540,21 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
 
 # ----------------------------------------------------------------------------------- main
 
+def default_data_dir() -> Path:
+    """``shared/data`` beside the repository, else inside it (where a copy of the tree carries it)."""
+    for candidate in (REPO.parent / "shared" / "data", REPO / "shared" / "data"):
+        if candidate.is_dir():
+            return candidate
+    return REPO.parent / "shared" / "data"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     parser.add_argument("--out", default=None, help="working directory of the run (default runs/math-model-SCALE)")
-    parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"),
-                        help="folder holding gutenberg/, gsm8k/ and math/ (default ../shared/data)")
+    parser.add_argument("--data-dir", default=str(default_data_dir()),
+                        help="folder holding gutenberg/, gsm8k/ and math/ (default: shared/data beside the "
+                             "repository, or inside it)")
     parser.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, ...")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--from", dest="from_stage", choices=STAGES, default=None,

@@ -50,8 +50,15 @@ def test_math_documents_hold_training_solutions_and_drop_problems_equal_to_a_tes
         {"problem": "Held out: $y^2=4$, $y>0$.", "solution": "$y=\\boxed{2}$", "level": "Level 1", "type": "Algebra"}])
     docs, counts = mm.math_documents(tmp_path, gsm8k_limit=0, math_limit=0)
     assert counts == {"gsm8k": 1, "math": 1, "dropped_equal_to_a_test_problem": 1}
-    assert docs == ["Question: Tom has 3 apples and buys 4. How many?\nAnswer: 3+4=7 apples.\n#### 7",
-                    "Problem: Solve $x+1=2$.\nSolution: So $x=\\boxed{1}$."]
+    assert docs == ["Tom has 3 apples and buys 4. How many?\nAnswer: 3+4=7 apples.\n#### 7",
+                    "Solve $x+1=2$.\nAnswer: So $x=\\boxed{1}$."]
+    # Each document is a question_only prompt whose continuation that format's reward grades right.
+    from scratchlm.align.prompts import get_template
+    from scratchlm.align.rewards import question_only_reward
+
+    for doc, question, answer in zip(docs, ["Tom has 3 apples and buys 4. How many?", "Solve $x+1=2$."], ["7", "1"]):
+        prompt = get_template("question_only").format(question)
+        assert doc.startswith(prompt) and question_only_reward(doc[len(prompt):], answer)["reward"] == 1.0
 
 
 @pytest.fixture
@@ -109,7 +116,7 @@ def test_tiny_pipeline_runs_every_stage_then_skips_reruns_and_resumes(mm, shared
 
     # The mix holds the training solutions, and no GSM8K test question.
     train = (out / "data" / "train.txt").read_text()
-    assert results["data"]["math_documents"]["gsm8k"] == 60 and train.count("Question: ") >= 2 * 60
+    assert results["data"]["math_documents"]["gsm8k"] == 60 and train.count("\nAnswer: ") >= 2 * (60 + 30)
     tests = [json.loads(line)["question"] for line in (shared_data / "gsm8k" / "test.jsonl").open()]
     assert not any(q.strip() in train for q in tests)
     assert results["tokens"]["train"] > 0 and results["tokenizer"]["vocab_size"] == 600
@@ -117,7 +124,8 @@ def test_tiny_pipeline_runs_every_stage_then_skips_reruns_and_resumes(mm, shared
     # Pretraining learned something; each stage's accuracy is what its per-example file says.
     val = results["pretrain"]["val_loss"]
     assert val[-1][0] == 12 and val[-1][1] < val[0][1]
-    assert set(results["gsm8k_test"]) == {"base", "sft", "grpo"}
+    assert set(results["gsm8k_test"]) == {"base", "base_question_only", "sft", "grpo"}
+    assert "--template question_only" in results["commands"]["eval_base_question_only"][0]
     for name, summary in results["gsm8k_test"].items():
         rows = [json.loads(line) for line in (out / "eval" / f"{name}.jsonl").open()]
         assert summary["total"] == len(rows) == 3
