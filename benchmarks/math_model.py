@@ -72,7 +72,7 @@ class Scale:
     gsm8k_limit: int  # GSM8K training problems in the mix (0 = all 7,473)
     math_limit: int  # MATH training problems in the mix (0 = all 7,500)
     math_repeat: int  # times each math document appears in the mix
-    tokenizer_sample_mb: float  # MB of the mix the BPE trains on (0 = all of it)
+    tokenizer_sample_mb: float  # millions of characters (about MB) of the mix the BPE trains on (0 = all)
     vocab_size: int
     pretrain: dict[str, Any]
     sft: dict[str, Any]
@@ -135,10 +135,11 @@ SCALES = {
 def decompressor() -> str:
     """"zstandard" (the Python package) when it imports, else "zstd" (the program) when on PATH."""
     try:
-        import zstandard  # noqa: F401
-        return "zstandard"
+        import zstandard
     except ImportError:
-        pass
+        zstandard = None
+    if zstandard is not None:
+        return "zstandard"
     if shutil.which("zstd"):
         return "zstd"
     raise UserError("reading the .zst books needs the zstandard Python package (pip install zstandard) "
@@ -200,7 +201,6 @@ def math_documents(data_dir: Path, *, gsm8k_limit: int, math_limit: int) -> tupl
     from scratchlm.align.prompts import get_template
 
     template = get_template("question_only")
-
     test_questions = {ex.question.strip() for name in ("gsm8k", "math")
                       for ex in load_examples(name, "test", data_dir=data_dir)}
     docs, counts = [], {"gsm8k": 0, "math": 0, "dropped_equal_to_a_test_problem": 0}
@@ -262,6 +262,8 @@ def prepare_data(scale: Scale, data_dir: Path, out: Path, seed: int) -> dict[str
     if sample_bytes and sample_bytes < len(train):
         cut = train.rfind(EOT, 0, sample_bytes)
         write_atomic(out / "tokenizer_sample.txt", train[:cut if cut > 0 else sample_bytes])
+    else:  # the tokenizer trains on all of train.txt; no sample of an earlier call may stand in
+        (out / "tokenizer_sample.txt").unlink(missing_ok=True)
     book_bytes = sum(len(b.encode("utf-8")) for b in books)
     math_bytes = sum(len(d.encode("utf-8")) for d in math_docs) * scale.math_repeat
     return {"book_documents": len(books), "math_documents": counts, "math_repeat": scale.math_repeat,
@@ -273,7 +275,7 @@ def prepare_data(scale: Scale, data_dir: Path, out: Path, seed: int) -> dict[str
 # ----------------------------------------------------------------------------------- stages
 
 class StageFailed(Exception):
-    pass
+    """A `scratchlm` command of a stage failed (it has printed why)."""
 
 
 def run_scratchlm(argv: list[str]) -> str:

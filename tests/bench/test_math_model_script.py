@@ -101,10 +101,11 @@ def test_set_overrides_a_scale_field_or_a_command_setting_and_refuses_unknown_ke
             mm.apply_set(scale, bad)
 
 
+# The tiny scale made smaller still, so the default test run stays short.
 SHRINK = ["--set", "books_mb=0.1", "gsm8k_limit=60", "math_limit=30", "vocab_size=600", "eval_limit=3",
-          "pretrain.trainer.max_steps=12", "pretrain.trainer.eval_interval=6", "pretrain.trainer.checkpoint_interval=6",
-          "pretrain.model.context_length=448", "sft.sft.max_steps=2", "sft.data.eval_limit=1", "grpo.grpo.n_grpo_steps=1",
-          "grpo.data.eval_limit=1"]
+          "pretrain.trainer.max_steps=12", "pretrain.trainer.eval_interval=6",
+          "pretrain.trainer.checkpoint_interval=6", "pretrain.model.context_length=448", "sft.sft.max_steps=2",
+          "sft.data.eval_limit=1", "grpo.grpo.n_grpo_steps=1", "grpo.data.eval_limit=1"]
 
 
 def test_tiny_pipeline_runs_every_stage_then_skips_reruns_and_resumes(mm, shared_data, tmp_path, capsys):
