@@ -167,3 +167,22 @@ def test_tiny_scale_as_documented(mm, shared_data, tmp_path):
     assert mm.main(["--scale", "tiny", "--out", str(out), "--data-dir", str(shared_data)]) == 0
     results = json.loads((out / "math_model.json").read_text())
     assert {s["total"] for s in results["gsm8k_test"].values()} == {mm.SCALES["tiny"].eval_limit}
+
+
+@pytest.mark.parametrize("scale", ["tiny", "full"])
+def test_every_scale_gives_commands_their_configs_accept(mm, scale):
+    """The full scale never runs on a CPU: its settings are checked against the commands' configs here."""
+    from scratchlm.align.config import GRPORunConfig, SFTRunConfig
+    from scratchlm.config import load_config
+    from scratchlm.train.config import TrainConfig
+
+    s = mm.SCALES[scale]
+    train = load_config(TrainConfig, str(mm.PRESET), mm.overrides(s.pretrain) + [f"--model.vocab_size={s.vocab_size}"])
+    sft = load_config(SFTRunConfig, "align-sft", mm.overrides(s.sft))
+    grpo = load_config(GRPORunConfig, "align-grpo", mm.overrides(s.grpo))
+    assert train.model.vocab_size == s.vocab_size and train.model.context_length >= 448
+    assert sft.data.reward == grpo.data.reward == "r1_zero"
+    if scale == "full":  # the shape the preset's comments and the page describe
+        assert (train.model.context_length, train.model.d_model, train.model.num_layers) == (1024, 512, 8)
+        assert train.trainer.batch_size * train.trainer.max_steps * train.model.context_length == 294_912_000
+        assert grpo.sampling.max_new_tokens == s.eval_max_new_tokens == 384
