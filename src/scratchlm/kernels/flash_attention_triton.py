@@ -13,11 +13,21 @@ reference the tests compare against); this file is the fast version:
   key tiles; it first computes its rows' ``D = rowsum(dO * O)`` (no separate pass over dO and
   O) and stores it for the dK/dV kernel, launched after it, which owns one key tile and streams
   over query tiles. Each output tile is written exactly once.
-- ``flash_attention_qkv``: attention over the concatenated q|k|v projections (B, T, 3·H·d), q
-  and k rotated by RoPE in one pass (``rope_triton``). Its backward op,
-  ``scratchlm::flash_attention_backward_qkv``, writes one (B, T, 3·H·d) gradient: the dK/dV and
-  dQ kernels rotate dk and dq back in registers (``ROPE``) and store them into their blocks of
-  it (``PACKED``, offsets), so the projections behind it run their backward as one matmul each way.
+- grouped-query attention: k and v may have Hkv heads for q's H (H a multiple of Hkv, q head h
+  reading kv head h // (H // Hkv)). The forward and dQ kernels index the kv head (k and v are
+  never repeated); the dK/dV kernel runs one program per (key tile, batch * kv head) and
+  streams over the query tiles of each of the G = H / Hkv query heads of its group in turn,
+  summing into one dK/dV tile: no (B, H, T, d) temporary, no atomics, a fixed order.
+- sliding window (``window``, causal only; ``WINDOWED``): query i sees keys i - window < j <= i.
+  Key tiles wholly before a query tile's window are never visited, tiles inside every row's
+  window run unmasked, and only the tiles on the window's edge (and the diagonal) are masked;
+  the dK/dV kernel bounds its query tiles the same way.
+- ``flash_attention_qkv``: attention over the concatenated q|k|v projections (B, T, (H + 2·Hkv)·d),
+  q and k rotated by RoPE in one pass (``rope_triton``; with Hkv < H by ``apply_rope``). Its
+  backward op, ``scratchlm::flash_attention_backward_qkv``, writes one gradient of qkv's shape:
+  the dK/dV and dQ kernels rotate dk and dq back in registers (``ROPE``) and store them into
+  their blocks of it (``PACKED``, offsets), so the projections behind it run their backward as
+  one matmul each way.
 - ragged sequence lengths (any T) are handled by bounds masks that are compiled in only
   when T is not a multiple of the tile sizes (``EVEN_*`` flags, computed by the launcher);
   head dims that are not powers of two are padded to the next power of two with masked loads.
@@ -162,7 +172,8 @@ def _should_autotune(q: torch.Tensor) -> bool:
 
 # --- Triton kernels ---------------------------------------------------------------------------
 # Shapes inside kernels: one (batch, head) slice at a time; q/k/v/o rows are tokens with
-# unit stride along the head dim; L and D are contiguous (B*H, T) float32.
+# unit stride along the head dim; L and D are contiguous (B*H, T) float32. H counts query heads,
+# `group` of them per kv head; `window` is read only under WINDOWED.
 
 if triton is not None:
 
