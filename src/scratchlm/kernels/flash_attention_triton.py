@@ -16,8 +16,10 @@ reference the tests compare against); this file is the fast version:
 - grouped-query attention: k and v may have Hkv heads for q's H (H a multiple of Hkv, q head h
   reading kv head h // (H // Hkv)). The forward and dQ kernels index the kv head (k and v are
   never repeated); the dK/dV kernel runs one program per (key tile, batch * kv head) and
-  streams over the query tiles of each of the G = H / Hkv query heads of its group in turn,
-  summing into one dK/dV tile: no (B, H, T, d) temporary, no atomics, a fixed order.
+  streams over the query tiles of each of the G = H / Hkv query heads of its group (``GROUPED``;
+  one flat loop over (head, tile) pairs per stage, which ptxas keeps from spilling where a loop
+  over heads around the loop over tiles did not), summing into one dK/dV tile: no (B, H, T, d)
+  temporary, no atomics, a fixed order. With G = 1 the kernel is the plain one.
 - sliding window (``window``, causal only; ``WINDOWED``): query i sees keys i - window < j <= i.
   Key tiles wholly before a query tile's window are never visited, tiles inside every row's
   window run unmasked, and only the tiles on the window's edge (and the diagonal) are masked;
@@ -321,41 +323,101 @@ if triton is not None:
         return tl.reshape(tl.join(c * g_even + s * g_odd, c * g_odd - s * g_even), (BLOCK_ROWS, BLOCK_D))
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                        lo, hi, N_CTX, qk_scale, window, offs_n, offs_d,
+    def _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start_m,
+                       N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr, EVEN_M: tl.constexpr,
+                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # (dk, dv) of the key tile plus the share of the query tile at start_m of one head.
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + tl.arange(0, BLOCK_M)
+        qt_ptrs = q_base + rows[None, :] * stride_qt + offs_d[:, None]  # (D, BM)
+        do_ptrs = do_base + rows[:, None] * stride_dot + offs_d[None, :]  # (BM, D)
+        if EVEN_M and EVEN_D:
+            qt = tl.load(qt_ptrs)
+            do = tl.load(do_ptrs)
+        else:
+            qt = tl.load(qt_ptrs, mask=(rows[None, :] < N_CTX) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            do = tl.load(do_ptrs, mask=(rows[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        if EVEN_M:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        else:
+            lse = tl.load(lse_base + rows, mask=rows < N_CTX, other=0.0)
+            delta = tl.load(delta_base + rows, mask=rows < N_CTX, other=0.0)
+        qkt = tl.dot(k, qt, input_precision=DOT_PRECISION)  # (BN, BM)
+        pt = tl.math.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
+        if CAUSAL_MASK:
+            pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+        if WINDOW_MASK:
+            pt = tl.where(rows[None, :] - offs_n[:, None] < window, pt, 0.0)
+        if not EVEN_M:
+            pt = tl.where(rows[None, :] < N_CTX, pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh, stride_qt,
+                        stride_dot, group, lo, hi, N_CTX, qk_scale, window, offs_n, offs_d,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                        WINDOW_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-        offs_m0 = tl.arange(0, BLOCK_M)
-        for start_m in range(lo, hi, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            rows = start_m + offs_m0
-            qt_ptrs = q_base + rows[None, :] * stride_qt + offs_d[:, None]  # (D, BM)
-            do_ptrs = do_base + rows[:, None] * stride_dot + offs_d[None, :]  # (BM, D)
-            if EVEN_M and EVEN_D:
-                qt = tl.load(qt_ptrs)
-                do = tl.load(do_ptrs)
+                        WINDOW_MASK: tl.constexpr, GROUPED: tl.constexpr, EVEN_M: tl.constexpr,
+                        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # The query tiles [lo, hi) of the head at the bases, or with GROUPED of each of the `group`
+        # heads from it on, one after the other, as one flat loop over (head, tile): a loop over
+        # heads around the loop over tiles made ptxas spill at most tile sizes.
+        if GROUPED:
+            n_tiles = tl.cdiv(hi - lo, BLOCK_M)
+            for it in range(0, group * n_tiles):
+                g = it // n_tiles
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_base + g * stride_qh, do_base + g * stride_doh,
+                                        lse_base + g * N_CTX, delta_base + g * N_CTX, stride_qt, stride_dot,
+                                        lo + (it - g * n_tiles) * BLOCK_M, N_CTX, qk_scale, window, offs_n, offs_d,
+                                        HEAD_DIM, BLOCK_M, CAUSAL_MASK, WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION)
+        else:
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                        start_m, N_CTX, qk_scale, window, offs_n, offs_d,
+                                        HEAD_DIM, BLOCK_M, CAUSAL_MASK, WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_head(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh, stride_qt,
+                       stride_dot, group, start_n, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                       WINDOWED: tl.constexpr, GROUPED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # dK/dV of the key tile at start_n, summed into (dk, dv) over the query tiles of the head
+        # at the bases (with GROUPED, of the `group` heads from it on) that see it.
+        if IS_CAUSAL:
+            # query tiles on the diagonal need the causal mask; the ones below it do not
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh,
+                                     stride_qt, stride_dot, group, start_n, start_n + BLOCK_N, N_CTX, qk_scale,
+                                     window, offs_n, offs_d, HEAD_DIM, BLOCK_M, True, WINDOWED, GROUPED,
+                                     EVEN_M and EVEN_N, EVEN_D, DOT_PRECISION)
+            if WINDOWED:
+                # Only queries i < start_n + BLOCK_N - 1 + window see this key tile: the query
+                # tiles [start_n + BLOCK_N, q_mid) see all of it, [q_mid, q_end) its window's edge.
+                q_end = tl.minimum(start_n + BLOCK_N - 1 + window, N_CTX)
+                q_mid = tl.minimum(tl.maximum((start_n + window) // BLOCK_M * BLOCK_M, start_n + BLOCK_N), N_CTX)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, group, start_n + BLOCK_N, q_mid, N_CTX,
+                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, GROUPED,
+                                         EVEN_M, EVEN_D, DOT_PRECISION)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, group, q_mid, q_end, N_CTX,
+                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, True, GROUPED,
+                                         EVEN_M, EVEN_D, DOT_PRECISION)
             else:
-                qt = tl.load(qt_ptrs, mask=(rows[None, :] < N_CTX) & (offs_d[:, None] < HEAD_DIM), other=0.0)
-                do = tl.load(do_ptrs, mask=(rows[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            if EVEN_M:
-                lse = tl.load(lse_base + rows)
-                delta = tl.load(delta_base + rows)
-            else:
-                lse = tl.load(lse_base + rows, mask=rows < N_CTX, other=0.0)
-                delta = tl.load(delta_base + rows, mask=rows < N_CTX, other=0.0)
-            qkt = tl.dot(k, qt, input_precision=DOT_PRECISION)  # (BN, BM)
-            pt = tl.math.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
-            if CAUSAL_MASK:
-                pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
-            if WINDOW_MASK:
-                pt = tl.where(rows[None, :] - offs_n[:, None] < window, pt, 0.0)
-            if not EVEN_M:
-                pt = tl.where(rows[None, :] < N_CTX, pt, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
-            dst = pt * (dpt - delta[None, :])
-            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, group, start_n + BLOCK_N, N_CTX, N_CTX,
+                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, GROUPED,
+                                         EVEN_M, EVEN_D, DOT_PRECISION)
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh,
+                                     stride_qt, stride_dot, group, 0, N_CTX, N_CTX, qk_scale, window, offs_n, offs_d,
+                                     HEAD_DIM, BLOCK_M, False, False, GROUPED, EVEN_M, EVEN_D, DOT_PRECISION)
         return dk, dv
 
     @triton.jit
@@ -366,13 +428,13 @@ if triton is not None:
                          H, N_CTX, group, window, COS, SIN, stride_cb, stride_ct, dk_offset, dv_offset,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                         EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                         GROUPED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, PACKED: tl.constexpr):
         # One program per (key tile, batch * kv head). PACKED: dk and dv are blocks of one buffer,
-        # DK; DV is then not used (see _launch_backward). With grouped-query attention (`group`
-        # query heads per kv head) the program streams over the query tiles of each of its
-        # group's heads in turn, summing into one dK/dV tile: no per-query-head copy of dK/dV,
-        # and a fixed order of summation.
+        # DK; DV is then not used (see _launch_backward). GROUPED (grouped-query attention,
+        # `group` > 1 query heads per kv head): the program streams over the query tiles of each
+        # of its group's heads, summing into one dK/dV tile: no per-query-head copy of dK/dV, and
+        # a fixed order of summation.
         # Under causality the early key tiles see the most queries; they are launched first.
         start_n = tl.program_id(0) * BLOCK_N
         off_bhk = tl.program_id(1)
@@ -394,40 +456,14 @@ if triton is not None:
         qk_scale = sm_scale * 1.4426950408889634
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        # With a window, only queries i < start_n + BLOCK_N - 1 + window see this key tile; the
-        # query tiles [start_n + BLOCK_N, q_mid) see all of it, [q_mid, q_end) its window's edge.
-        q_end = tl.minimum(start_n + BLOCK_N - 1 + window, N_CTX)
-        q_mid = tl.minimum(tl.maximum((start_n + window) // BLOCK_M * BLOCK_M, start_n + BLOCK_N), N_CTX)
-        for g in range(0, group):
-            off_h = off_hk * group + g
-            q_base = Q + off_b * stride_qb + off_h * stride_qh
-            do_base = DO + off_b * stride_dob + off_h * stride_doh
-            lse_base = LSE + (off_b * H + off_h) * N_CTX
-            delta_base = DELTA + (off_b * H + off_h) * N_CTX
-            if IS_CAUSAL:
-                # query tiles on the diagonal need the causal mask; the ones below it do not
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, start_n, start_n + BLOCK_N, N_CTX, qk_scale, window,
-                                         offs_n, offs_d, HEAD_DIM, BLOCK_M, True, WINDOWED, EVEN_M and EVEN_N,
-                                         EVEN_D, DOT_PRECISION)
-                if WINDOWED:
-                    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                             stride_dot, start_n + BLOCK_N, q_mid, N_CTX, qk_scale, window,
-                                             offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, EVEN_M, EVEN_D,
-                                             DOT_PRECISION)
-                    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                             stride_dot, q_mid, q_end, N_CTX, qk_scale, window,
-                                             offs_n, offs_d, HEAD_DIM, BLOCK_M, False, True, EVEN_M, EVEN_D,
-                                             DOT_PRECISION)
-                else:
-                    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                             stride_dot, start_n + BLOCK_N, N_CTX, N_CTX, qk_scale, window,
-                                             offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, EVEN_M, EVEN_D,
-                                             DOT_PRECISION)
-            else:
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, 0, N_CTX, N_CTX, qk_scale, window, offs_n, offs_d,
-                                         HEAD_DIM, BLOCK_M, False, False, EVEN_M, EVEN_D, DOT_PRECISION)
+        # The first query head of this kv head's group; with GROUPED the next group - 1 follow it.
+        off_h = off_hk * group
+        dk, dv = _bwd_dkdv_head(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
+                                DO + off_b * stride_dob + off_h * stride_doh,
+                                LSE + (off_b * H + off_h) * N_CTX, DELTA + (off_b * H + off_h) * N_CTX,
+                                stride_qh, stride_doh, stride_qt, stride_dot, group, start_n, N_CTX, qk_scale, window,
+                                offs_n, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOWED, GROUPED,
+                                EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
         dk = dk * sm_scale
         if ROPE:  # k was rotated before attention: its gradient is rotated back here, in registers
             dk = _rope_transpose(dk, COS, SIN, off_b, stride_cb, stride_ct, offs_n, N_CTX, HEAD_DIM,
@@ -562,7 +598,7 @@ if triton is not None:
     _DQ_TILES = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
     _TUNE_KEY = ["N_CTX", "HEAD_DIM", "IS_CAUSAL", "WINDOWED"]
 
-    def _tuner(kernel, tiles, divides: str, big_d: bool):
+    def _tuner(kernel, tiles, divides: str, big_d: bool, key=tuple(_TUNE_KEY)):
         # The split into masked/unmasked causal ranges needs one tile size to divide the other;
         # head dim 128 tiles of 128x128 with deep pipelines do not fit in shared memory. The
         # configs are pruned here, per head-dim class, rather than by a prune_configs_by hook,
@@ -573,12 +609,12 @@ if triton is not None:
                 if (m % n if divides == "n|m" else n % m) == 0 and not (big_d and m * n > 128 * 64 and s > 2)]
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                    for m, n, w, s in keep or tiles[:1]]
-        return triton.autotune(configs, key=_TUNE_KEY)(kernel)
+        return triton.autotune(configs, key=list(key))(kernel)
 
     _fwd_tuned = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=False)
     _fwd_tuned_big_d = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=True)
-    _dkdv_tuned = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=False)
-    _dkdv_tuned_big_d = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=True)
+    _dkdv_tuned = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=False, key=_TUNE_KEY + ["GROUPED"])
+    _dkdv_tuned_big_d = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=True, key=_TUNE_KEY + ["GROUPED"])
     _dq_tuned = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=False)
     _dq_tuned_big_d = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=True)
 
@@ -653,7 +689,7 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=is_causal, WINDOWED=window is not None, EVEN_D=D == block_d,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None)
     heads = (H, T, H // Hkv, window or 0)
-    dkdv_meta = dict(PACKED=packed is not None)
+    dkdv_meta = dict(PACKED=packed is not None, GROUPED=H != Hkv)
     if rope is None:
         rope_args = (lse, lse, 0, 0)  # never read
     else:
