@@ -54,7 +54,8 @@ def test_attend_grouped_kv_and_window_matches_sdpa_on_repeated_kv(name, kv_heads
 @pytest.mark.parametrize("name", BACKENDS)
 def test_attend_without_causality_and_grouped_kv(name):
     dtype = _dtype(name)
-    q, k, v = torch.randn(1, 6, 9, 8, dtype=dtype), torch.randn(1, 2, 9, 8, dtype=dtype), torch.randn(1, 2, 9, 8, dtype=dtype)
+    q = torch.randn(1, 6, 9, 8, dtype=dtype)
+    k, v = (torch.randn(1, 2, 9, 8, dtype=dtype) for _ in range(2))
     torch.testing.assert_close(make_attention_backend(name).attend(q, k, v, False), _repeated_sdpa(q, k, v, None),
                                **_tol(dtype))
     with pytest.raises(ValueError, match="is_causal=True"):
