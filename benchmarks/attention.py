@@ -1,10 +1,11 @@
 """scratchlm's Triton FlashAttention-2 vs PyTorch SDPA (flash and cuDNN backends).
 
-    python benchmarks/attention.py [--seqs 1024 4096 16384] [--head-dims 64 128] [--json out.json]
+    python benchmarks/attention.py [--seqs 1024 4096 16384] [--head-dims 64 128] [--kv-heads N] [--json out.json]
 
 bf16, hidden size 2048 (heads = 2048 / head_dim), batch = 16384 tokens / seq, causal and
 not, forward and forward+backward. TFLOP/s counts 4·B·H·T²·d for the forward (halved when
 causal) and 2.5x that for the backward; times are medians of triton.testing.do_bench.
+`--kv-heads N` gives k and v N heads (grouped-query attention; SDPA then runs with enable_gqa=True).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from scratchlm.model.accounting import attention_flops
 
 def _sdpa(backend):
     def run(q, k, v, causal):
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
     return run
 
 
@@ -55,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="heads of k and v (grouped-query attention); default: as many as q")
     p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
     p.add_argument("--modes", nargs="+", default=["forward", "forward_backward"])
     p.add_argument("--json", help="write all rows to this file")
@@ -63,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for d in args.head_dims:
+        if args.kv_heads is not None and (args.kv_heads < 1 or (args.hidden // d) % args.kv_heads):
+            print(f"--kv-heads {args.kv_heads} must divide the {args.hidden // d} heads of head dim {d}",
+                  file=sys.stderr)
+            return 1
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
@@ -70,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = (f"{'seq':>6}{'d':>5}{'causal':>7}{'mode':>17}{'ours':>8}{'flash':>8}{'cudnn':>8}"
               f"{'x flash':>9}{'x cudnn':>9}   (TFLOP/s)")
-    print(torch.cuda.get_device_name(), "bf16, hidden", args.hidden, "tokens", args.tokens)
+    print(torch.cuda.get_device_name(), "bf16, hidden", args.hidden, "tokens", args.tokens,
+          "kv heads", args.kv_heads or "all")
     print(header, flush=True)
     for d in args.head_dims:
         for seq in args.seqs:
             B, H = max(1, args.tokens // seq), args.hidden // d
-            q, k, v = [torch.randn(B, H, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3)]
+            Hkv = args.kv_heads or H
+            q = torch.randn(B, H, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = [torch.randn(B, Hkv, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2)]
             g = torch.randn_like(q)
             for causal in causals:
                 # correctness against the flash backend on these very inputs
@@ -84,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref = IMPLS["sdpa_flash"](q, k, v, causal)
                 err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
                 for mode in args.modes:
-                    row = {"seq": seq, "head_dim": d, "batch": B, "heads": H, "causal": causal,
+                    row = {"seq": seq, "head_dim": d, "batch": B, "heads": H, "kv_heads": Hkv, "causal": causal,
                            "mode": mode, "rel_err_vs_flash": err}
                     flops = attention_flops(B, H, seq, d, causal, mode)
                     for name, fn in IMPLS.items():

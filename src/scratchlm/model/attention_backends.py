@@ -10,6 +10,11 @@
   as one tensor (RoPE undone in its kernels). How its ops are registered is chosen with
   `scratchlm.kernels.triton_support.set_op_registration`, before the first one is.
 
+All three take grouped-query k and v (`grouped_kv`): q (B, H, T, d) with k and v (B, Hkv, T, d),
+H a multiple of Hkv, q head h reading kv head h // (H // Hkv), without repeating k and v; and a
+causal sliding window (`sliding_window`): `attend(q, k, v, is_causal, window=None)`, each query
+seeing at most the last `window` keys, itself included.
+
 `ATTENTION_BACKENDS` maps each name to its class; `attention_backend_names()` lists them for
 config validation and command-line choices, and `make_attention_backend(name)` builds one.
 `MultiHeadSelfAttention` builds its backend once, when it is built (an attribute resolved inside
@@ -45,25 +50,44 @@ log = logging.getLogger(__name__)
 
 
 class MathAttention(AttentionBackend):
-    """softmax(q kᵀ / sqrt(d)) v as batched matmuls, under an explicit boolean mask."""
+    """softmax(q kᵀ / sqrt(d)) v as batched matmuls, under an explicit boolean mask.
+
+    With k and v of fewer heads than q, q is viewed as (B, Hkv, G, T, d) against k and v viewed as
+    (B, Hkv, 1, L, d): the matmuls broadcast over the group, no copy of k or v."""
 
     name = "math"
     heads_first = True
     padding_mask = True
     kv_cache = True
+    grouped_kv = True
+    sliding_window = True
 
     def __init__(self) -> None:
+        from scratchlm.kernels.flash_attention_torch import check_window
         from scratchlm.model.functional import causal_mask, scaled_dot_product_attention
 
         self._causal_mask = causal_mask
         self._attention = scaled_dot_product_attention
+        self._check_window = check_window
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+    def _grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if q.shape[-3] == k.shape[-3]:
+            return self._attention(q, k, v, mask)
+        group = q.shape[-3] // k.shape[-3]
+        if mask is not None and mask.dim() >= 3:  # (B, 1 or H, T, L): one more dim for the group
+            mask = mask.unflatten(-3, (-1, group if mask.shape[-3] > 1 else 1))
+        out = self._attention(q.unflatten(-3, (k.shape[-3], group)), k.unsqueeze(-3), v.unsqueeze(-3), mask)
+        return out.flatten(-4, -3)  # (B, Hkv, G, T, d) -> (B, H, T, d)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window: int | None = None) -> Tensor:
+        self._check_window(is_causal, window)
         mask = self._causal_mask(q.shape[-2], k.shape[-2], device=q.device) if is_causal else None
-        return self._attention(q, k, v, mask)
+        if window is not None:  # query i sits at key position i + L - T and sees keys j > that - window
+            mask = mask & ~mask.tril(k.shape[-2] - q.shape[-2] - window)
+        return self._grouped(q, k, v, mask)
 
     def attend_masked(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        return self._attention(q, k, v, mask)
+        return self._grouped(q, k, v, mask)
 
 
 class FlashTorchAttention(AttentionBackend):
@@ -71,14 +95,19 @@ class FlashTorchAttention(AttentionBackend):
 
     name = "flash_torch"
     heads_first = False
+    grouped_kv = True
+    sliding_window = True
 
     def __init__(self) -> None:
-        from scratchlm.kernels.flash_attention_torch import FlashAttentionTorch
+        from scratchlm.kernels.flash_attention_torch import DEFAULT_K_TILE, DEFAULT_Q_TILE, FlashAttentionTorch
 
         self._apply = FlashAttentionTorch.apply
+        self._tiles = (DEFAULT_Q_TILE, DEFAULT_K_TILE)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
-        return self._apply(q, k, v, is_causal)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window: int | None = None) -> Tensor:
+        if window is None:
+            return self._apply(q, k, v, is_causal)
+        return self._apply(q, k, v, is_causal, *self._tiles, window)
 
 
 class FlashTritonAttention(AttentionBackend):
@@ -87,6 +116,8 @@ class FlashTritonAttention(AttentionBackend):
     name = "flash_triton"
     heads_first = False
     packed_qkv = True
+    grouped_kv = True
+    sliding_window = True
 
     def __init__(self) -> None:
         # Imports without triton installed (CPU wheels): only running it needs CUDA.
@@ -98,12 +129,14 @@ class FlashTritonAttention(AttentionBackend):
     def runs_on(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
-        return self._attention(q, k, v, is_causal)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, window: int | None = None) -> Tensor:
+        return self._attention(q, k, v, is_causal, window=window)
 
     def attend_qkv(self, qkv: Tensor, num_heads: int, cos: Tensor | None, sin: Tensor | None,
-                   is_causal: bool) -> Tensor:
-        return self._attention_qkv(qkv, num_heads, cos, sin, is_causal)
+                   is_causal: bool, num_kv_heads: int | None = None, *, window: int | None = None) -> Tensor:
+        """As `AttentionBackend.attend_qkv`, qkv (B, T, (H + 2·Hkv)·d) with Hkv = `num_kv_heads`
+        (default H)."""
+        return self._attention_qkv(qkv, num_heads, cos, sin, is_causal, num_kv_heads, window=window)
 
 
 # The registry: one line per backend.
