@@ -321,18 +321,20 @@ def _window_reference(attn, x, window):
     return F.linear(out.transpose(1, 2).reshape(B, T, -1), attn.output_proj.weight)
 
 
-@pytest.mark.parametrize("backend", ["math", "flash_torch"])
-def test_sliding_window_matches_a_direct_reference(backend, caplog):
+@pytest.mark.parametrize("backend,native", [("math", True), ("flash_torch", True), ("flash_torch", False)])
+def test_sliding_window_matches_a_direct_reference(backend, native, caplog):
     torch.manual_seed(0)
     rope = RotaryEmbedding(10_000.0, 8, 32)
     attn = MultiHeadSelfAttention(32, 4, rope, num_kv_heads=2, sliding_window=4, backend=backend)
+    if not native:  # a backend without windows: the call falls back to "math", logged once
+        attn._backend.sliding_window = False
     x = torch.randn(2, 13, 32)
     with caplog.at_level("WARNING", logger="scratchlm.model.attention_backends"):
         out = attn(x)
         attn(x)
     torch.testing.assert_close(out, _window_reference(attn, x, 4), rtol=1e-5, atol=1e-6)
     fallbacks = [r for r in caplog.records if "sliding window" in r.getMessage()]
-    assert len(fallbacks) == (1 if backend == "flash_torch" else 0)  # logged once, only for a real fallback
+    assert len(fallbacks) == (0 if native else 1)  # logged once, only for a real fallback
     # a sequence no longer than the window is plain causal attention, on the backend itself
     short = torch.randn(2, 4, 32)
     torch.testing.assert_close(attn(short), _window_reference(attn, short, 100), rtol=1e-5, atol=1e-6)
