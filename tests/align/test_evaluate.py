@@ -66,6 +66,25 @@ def test_eval_math_command_user_errors(tmp_path, capsys):
     assert main(["eval-math", str(tmp_path), "--dataset", "imagenet"]) == 2
 
 
+def test_eval_math_command_grades_with_the_named_reward(tiny_policy, tmp_path, capsys):
+    from scratchlm.align.rewards import gsm8k_last_number_reward
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+    out = tmp_path / "results.jsonl"
+    assert main(["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--limit", "4", "--max-new-tokens", "6",
+                 "--template", "question_only", "--reward", "gsm8k_last_number", "--out", str(out),
+                 "--device", "cpu"]) in (0, None)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:  # every response graded by its last number
+        assert row["reward"] == gsm8k_last_number_reward(row["response"], row["ground_truth"])["reward"]
+    assert json.loads(out.with_suffix(".summary.json").read_text())["reward"] == "gsm8k_last_number"
+    capsys.readouterr()
+    assert main(["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--reward", "bleu"]) == 2
+    err = capsys.readouterr().err
+    assert "--reward must be one of" in err and len(err.strip().splitlines()) == 1
+
+
 def test_evaluate_policy_takes_a_reward_name():
     t = get_template("question_only")
     examples = [MathExample("a", "B"), MathExample("b", "1234.5")]

@@ -220,6 +220,10 @@ def eval_math_command(argv: list[str]) -> int:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
     parser.add_argument("--out", default=None, help="per-example results JSONL (summary beside it)")
     parser.add_argument("--template", default="r1_zero", help="prompt format: r1_zero or question_only")
+    parser.add_argument("--reward", default="",
+                        help="how answers are graded: a name in align.reward_registry.REWARDS (gsm8k_last_number: "
+                             "the last number of free text; multiple_choice: 'The correct answer is X'); "
+                             "default: the template's own")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generator call")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -234,11 +238,13 @@ def eval_math_command(argv: list[str]) -> int:
     from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl
     from scratchlm.align.policy import load_policy
     from scratchlm.align.prompts import get_template
-    from scratchlm.align.reward_registry import select_reward
+    from scratchlm.align.reward_registry import REWARDS, select_reward
     from scratchlm.device import resolve_device
 
     template = get_template(args.template)
-    reward_fn = select_reward("", template=args.template, dataset=args.dataset)
+    if args.reward and args.reward not in REWARDS:
+        raise UserError(f"--reward must be one of {', '.join(sorted(REWARDS))}, got {args.reward!r}")
+    reward_fn = select_reward(args.reward, template=args.template, dataset=args.dataset)
     examples = load_examples(args.dataset, args.split, data_dir=args.data_dir, limit=args.limit, seed=args.seed)
     if not examples:
         raise UserError(f"{args.dataset}/{args.split} has no examples")
@@ -251,6 +257,7 @@ def eval_math_command(argv: list[str]) -> int:
         write_jsonl(records, args.out)
         summary_path = Path(args.out).with_suffix(".summary.json")
         summary_path.write_text(json.dumps({"model": str(args.model), "dataset": args.dataset, "split": args.split,
-                                            "template": args.template, **summary}, indent=2) + "\n",
+                                            "template": args.template, "reward": args.reward or "(template's own)",
+                                            **summary}, indent=2) + "\n",
                                 encoding="utf-8")
     return 0
