@@ -142,3 +142,30 @@ def test_without_a_budget_every_record_has_the_clock_and_the_final_eval_is_parti
     assert all(r["elapsed_s"] > 0 for r in train)
     assert [r["elapsed_s"] for r in train] == sorted(r["elapsed_s"] for r in train)
     assert records(run, "eval")[-1]["val_tokens"] == 2 * 4 * 16
+
+
+def test_a_run_that_crashed_after_its_last_checkpoint_finishes_on_resume(tmp_path, clock, monkeypatch):
+    # The budget ran out, the final checkpoint was written, then the final evaluation failed:
+    # resuming has nothing left to train but must still evaluate and finish (the "end" record,
+    # which `scratchlm sweep` reads to skip the point next time).
+    cfg = budget_cfg(tmp_path)
+    real_eval = trainer_mod.evaluation_totals
+    calls = {"n": 0}
+
+    def fails_at_the_final_eval(model, batches):
+        calls["n"] += 1
+        if calls["n"] == 4:  # steps 0, 4, 8, then the final one at step 10
+            raise RuntimeError("node lost")
+        return real_eval(model, batches)
+
+    monkeypatch.setattr(trainer_mod, "evaluation_totals", fails_at_the_final_eval)
+    with pytest.raises(RuntimeError, match="node lost"):
+        run_training(cfg)
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000010"
+    assert records(run, "end") == []
+    monkeypatch.setattr(trainer_mod, "evaluation_totals", real_eval)
+    run_training(cfg, resume=True)
+    assert [r["step"] for r in records(run, "train")][-1] == 10  # nothing more trained
+    assert records(run, "eval")[-1]["step"] == 10
+    assert [r["step"] for r in records(run, "end")] == [10]

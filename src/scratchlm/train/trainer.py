@@ -267,6 +267,8 @@ class Trainer:
             last["eval"] = self._evaluate(final=spent or self.step == tc.max_steps)
         if spent:
             log.info("the time budget of %s was spent at step %d; nothing to train", self.run_dir, self.step)
+            if until is None:  # it may have stopped between its last checkpoint and its end
+                self._finish()
             return last
         bar = self._progress_bar(stop)
         out_of_time = False
