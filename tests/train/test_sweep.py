@@ -76,6 +76,20 @@ def test_unknown_keys_and_invalid_values_fail_before_any_run(preset, tmp_path, s
     assert not out.exists()
 
 
+@pytest.mark.parametrize("overrides, spec, message", [
+    (["--trainer.fused_lm_head=true"], "model.logit_softcap=0,30", "fused_lm_head"),
+    (["--trainer.seq_len_warmup_steps=4"], "model.context_length=16,12", "divide by 8"),
+    (["--trainer.time_budget_s=60"], "optim.cosine_steps=100,200", "cosine_steps"),
+])
+def test_options_the_trainer_refuses_together_fail_before_any_run(preset, tmp_path, overrides, spec, message):
+    # the first point is fine; the second would fail only once the first had trained
+    out = tmp_path / "sweep"
+    with pytest.raises(UserError, match=message) as err:
+        plan_sweep(preset, overrides, parse_grid([spec]), out)
+    assert "--grid point" in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
 def test_a_sweep_needs_validation_data_and_one_process(preset, tmp_path):
     with pytest.raises(UserError, match="data.val_path"):
         plan_sweep(preset, ["--data.val_path="], parse_grid(GRID), tmp_path / "s")

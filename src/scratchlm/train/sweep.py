@@ -126,6 +126,8 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
     `out` is the sweep's folder (default: the base config's ``trainer.out_dir``). Raises a
     one-line `UserError` for an unknown key or a value the config refuses, before anything runs.
     """
+    from scratchlm.train.trainer import check_combinations
+
     base = load_config(TrainConfig, preset, overrides)
     if base.parallel.strategy != "none":
         raise UserError("scratchlm sweep runs its points one after another in one process; "
@@ -150,6 +152,7 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
             cfg = load_config(TrainConfig, preset, [*overrides, *point_overrides,
                                                     f"--trainer.out_dir={root / name}"])
             _check_data(cfg)
+            check_combinations(cfg)  # what the trainer would refuse only when the point starts
         except UserError as exc:
             raise UserError(f"--grid point {name}: {exc}") from None
         points.append(SweepPoint(name, dict(values), cfg))

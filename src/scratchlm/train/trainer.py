@@ -87,7 +87,7 @@ _clock = time.perf_counter  # the training clock's time source (tests substitute
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "seed_everything", "warmup_seq_len"]
+__all__ = ["Trainer", "check_combinations", "seed_everything", "warmup_seq_len"]
 
 SEQ_LEN_STAGES = 4  # trainer.seq_len_warmup_steps: windows of 1/8, 1/4, 1/2, then all of context_length
 
@@ -114,7 +114,7 @@ def split_windows(x: torch.Tensor, y: torch.Tensor, length: int) -> tuple[torch.
     return x.reshape(B * T // length, length), y.reshape(B * T // length, length)
 
 
-def _check_combinations(cfg: TrainConfig) -> None:
+def check_combinations(cfg: TrainConfig) -> None:
     """Refuse option pairs that cannot work together, before anything is built or written."""
     tc = cfg.trainer
     if tc.fused_lm_head and cfg.model.logit_softcap:
@@ -154,7 +154,7 @@ class Trainer:
         from scratchlm.model.transformer import build_model
 
         tc = cfg.trainer
-        _check_combinations(cfg)
+        check_combinations(cfg)
         strategy = strategy or engine or init_strategy(cfg.parallel, device=tc.device)
         self.cfg, self.run_dir, self.strategy = cfg, Path(run_dir), strategy
         self.rank, self.world_size, self.is_main = strategy.rank, strategy.world_size, strategy.is_main
