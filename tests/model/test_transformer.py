@@ -360,10 +360,11 @@ def test_logit_softcap_caps_the_logits_of_the_same_weights_and_decoding_sees_it(
         ModelConfig(logit_softcap=-1.0)
 
 
-@pytest.mark.parametrize("ffn", ["swiglu", "relu2", "moe"])
-def test_zero_init_output_makes_every_block_the_identity(ffn):
+@pytest.mark.parametrize("ffn, options", [("swiglu", {}), ("relu2", {}), ("moe", {}),
+                                          ("moe", {"moe_shared_experts": 1})])
+def test_zero_init_output_makes_every_block_the_identity(ffn, options):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**TINY, ffn=ffn, zero_init_output=True))
+    model = build_model(ModelConfig(**TINY, ffn=ffn, zero_init_output=True, **options))
     for layer in model.layers:
         assert not layer.attn.output_proj.weight.any()
         w2 = layer.ffn.w2

@@ -24,7 +24,7 @@ state_dict (default keys are listed in DESIGN.md):
 - logit_softcap=c > 0: logits = c·tanh(logits / c); `lm_head` is a `layers.SoftcappedLinear`,
   so decoding, which calls `lm_head` on the hidden states, caps them too. No keys change.
 - zero_init_output=True: each block's `attn.output_proj.weight` and `ffn.w2` (for MoE the
-  experts' stacked `w2`) start at zero, so every block starts as the identity and the residual
+  experts' stacked `w2` and the shared experts' `ffn.shared.w2.weight`) start at zero, so every block starts as the identity and the residual
   stream as the embeddings (the modded-nanogpt speedrun's init). `lm_head` keeps its init: tied,
   it is the embedding table, and a zero head too would leave only itself a gradient at the first
   step. No keys change.
@@ -322,6 +322,9 @@ def _zero_output_projections(block: TransformerBlock) -> None:
     w2 = getattr(block.ffn, "w2", None)
     if w2 is not None:
         (w2.weight if isinstance(w2, nn.Module) else w2).zero_()
+    shared = getattr(block.ffn, "shared", None)  # MoE shared experts: a SwiGLU beside the routed ones
+    if shared is not None:
+        shared.w2.weight.zero_()
 
 
 def _drop_tied_lm_head(module: nn.Module, state_dict: dict[str, Tensor], prefix: str, local_metadata) -> None:
