@@ -54,7 +54,8 @@ class ModelConfig:
     # and the modded-nanogpt speedrun's cap; 15-30 is usual). Not with trainer.fused_lm_head.
     logit_softcap: float = 0.0
     # Start every block as the identity: attention's output_proj and the FFN's w2 (MoE: the
-    # experts' and the shared experts' w2) initialised to zero. lm_head keeps its init (tied, it is the embedding table).
+    # experts' and the shared experts' w2) initialised to zero. lm_head keeps its init (tied, it
+    # is the embedding table).
     zero_init_output: bool = False
     moe_gemm: str = "auto"  # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "portable"
     # ffn="moe": renormalise the top-k router probabilities to sum to 1 (true) or weight each

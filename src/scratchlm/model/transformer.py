@@ -24,10 +24,10 @@ state_dict (default keys are listed in DESIGN.md):
 - logit_softcap=c > 0: logits = c·tanh(logits / c); `lm_head` is a `layers.SoftcappedLinear`,
   so decoding, which calls `lm_head` on the hidden states, caps them too. No keys change.
 - zero_init_output=True: each block's `attn.output_proj.weight` and `ffn.w2` (for MoE the
-  experts' stacked `w2` and the shared experts' `ffn.shared.w2.weight`) start at zero, so every block starts as the identity and the residual
-  stream as the embeddings (the modded-nanogpt speedrun's init). `lm_head` keeps its init: tied,
-  it is the embedding table, and a zero head too would leave only itself a gradient at the first
-  step. No keys change.
+  experts' stacked `w2` and the shared experts' `ffn.shared.w2.weight`) start at zero, so
+  every block starts as the identity and the residual stream as the embeddings (the
+  modded-nanogpt speedrun's init). `lm_head` keeps its init: tied, it is the embedding table,
+  and a zero head too would leave only itself a gradient at the first step. No keys change.
 - attention_backend: "math" or another name registered in `attention_backends.ATTENTION_BACKENDS`
   ("flash_torch", "flash_triton", ...; see attention_backends.py); no keys change.
 - qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
