@@ -192,3 +192,20 @@ def test_muon_is_refused_under_a_sharded_strategy(tmp_path):
     cfg = replace(cfg, parallel=replace(cfg.parallel, strategy="zero1", backend="gloo"))
     with pytest.raises(UserError, match="optim.name='muon'.*zero1"):
         run_training(cfg)
+
+
+
+@pytest.mark.parametrize("first, then", [("adamw", "muon"), ("muon", "adamw")])
+def test_resuming_with_the_other_optimizer_is_refused_in_one_line(tmp_path, first, then):
+    # AdamW's moments cannot become Muon's momentum (nor the other way round): the optimizer
+    # state of the checkpoint would not load, so the resume names the setting instead.
+    from scratchlm.cli.train import run_training
+    from scratchlm.errors import UserError
+
+    cfg = _muon_cfg(tmp_path)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=2, checkpoint_interval=2, eval_interval=0))
+    run_training(replace(cfg, optim=replace(cfg.optim, name=first)))
+    resumed = replace(cfg, optim=replace(cfg.optim, name=then), trainer=replace(cfg.trainer, max_steps=4))
+    with pytest.raises(UserError, match=f"optim.name.*'{first}'.*'{then}'") as err:
+        run_training(resumed, resume=True)
+    assert "\n" not in str(err.value)

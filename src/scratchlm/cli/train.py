@@ -65,13 +65,19 @@ COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model 
 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
-    """A resumed run must keep its model shape (other settings, e.g. max_steps, may change)."""
+    """A resumed run must keep its model shape and optimizer (other settings, e.g. max_steps, may change)."""
     from scratchlm.config import config_to_dict
 
     saved = run_dir / "config.toml"
     if not saved.is_file():
         return
-    old = tomllib.loads(saved.read_text(encoding="utf-8")).get("model", {})
+    saved_cfg = tomllib.loads(saved.read_text(encoding="utf-8"))
+    # The optimizer state of the checkpoint only loads into the same optimizer.
+    old_optimizer = saved_cfg.get("optim", {}).get("name", "adamw")  # runs from before optim.name: AdamW
+    if old_optimizer != cfg.optim.name:
+        raise UserError(f"--resume: {saved} trained with optim.name={old_optimizer!r}, this config has "
+                        f"{cfg.optim.name!r}; its optimizer state cannot carry over: keep optim.name={old_optimizer!r}")
+    old = saved_cfg.get("model", {})
     new = config_to_dict(cfg.model)
     # Fields that only choose the initialisation (its weights come from the checkpoint) or the
     # kernels' arrangement do not matter to a resumed run, and runs written before such a field
