@@ -190,3 +190,25 @@ def test_a_truncated_old_checkpoint_without_checksums_is_named(cfg, tmp_path):
     _damage(step8 / "optimizer.pt", "truncate")
     with pytest.raises(UserError, match=rf"{step8 / 'optimizer.pt'}.*damaged.*step_000004"):
         run_training(cfg, resume=True)
+
+
+# ---------------------------------------------------------------- config keys added later
+
+
+def test_a_run_written_before_newer_model_keys_existed_resumes(cfg, tmp_path):
+    # A config.toml written before a model field existed does not name it; the field's default
+    # is what that run trained with, so resuming it with today's defaults is the same model.
+    run = tmp_path / "old"
+    stop_at(cfg, run, 4)
+    saved = run / "config.toml"
+    later = ("qk_norm", "qkv_bias", "logit_softcap", "zero_init_output", "moe_aux_scope")
+    lines = saved.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.split("=")[0].strip() not in later]
+    assert len(lines) - len(kept) == len(later)
+    saved.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    run_training(with_out(cfg, run), resume=True)
+    assert train_steps(run)[-1] == cfg.trainer.max_steps
+    # a field the saved config does name still has to match
+    changed = replace(cfg, model=replace(cfg.model, qk_norm=True))
+    with pytest.raises(UserError, match=r"differs from this config in model\.qk_norm$"):
+        run_training(with_out(changed, run), resume=True)

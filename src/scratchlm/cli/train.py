@@ -77,11 +77,12 @@ def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     if old_optimizer != cfg.optim.name:
         raise UserError(f"--resume: {saved} trained with optim.name={old_optimizer!r}, this config has "
                         f"{cfg.optim.name!r}; its optimizer state cannot carry over: keep optim.name={old_optimizer!r}")
-    old = saved_cfg.get("model", {})
+    # A field the saved config does not name did not exist when the run started (or was none):
+    # the run trained with its default, as `load_config` would read the file back.
+    old = {**config_to_dict(type(cfg.model)()), **saved_cfg.get("model", {})}
     new = config_to_dict(cfg.model)
     # Fields that only choose the initialisation (its weights come from the checkpoint) or the
-    # kernels' arrangement do not matter to a resumed run, and runs written before such a field
-    # existed do not name it.
+    # kernels' arrangement do not matter to a resumed run.
     changed = sorted(k for k in set(old) | set(new)
                      if old.get(k) != new.get(k) and k not in INIT_ONLY | COMPUTE_ONLY)
     if changed:
