@@ -149,7 +149,7 @@ def test_shared_expert_mapping_is_exact_to_the_bit():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip(name, tmp_path):
-    options, _ = CASES[name]
+    options, architecture = CASES[name]
     model, cfg = _model(seed=1, **options)
     sd = model.state_dict()
     back = from_hf_state_dict(to_hf_state_dict(sd, cfg), cfg)
@@ -162,8 +162,9 @@ def test_round_trip(name, tmp_path):
     cfg2 = model_config_from_hf(theirs.config.to_dict())
     assert cfg2.moe_aux_scope == "model" and cfg2.moe_aux_coef == pytest.approx(cfg.moe_aux_coef)
     assert cfg2.moe_capacity_factor is None
+    # Qwen2-MoE has q/k/v biases (exported as zeros): they come back as model.qkv_bias
     expected = {**vars(cfg), "moe_aux_scope": "model", "moe_aux_coef": cfg2.moe_aux_coef, "moe_capacity_factor": None,
-                "moe_renormalize": cfg2.moe_renormalize}
+                "moe_renormalize": cfg2.moe_renormalize, "qkv_bias": architecture == "Qwen2MoeForCausalLM"}
     assert vars(cfg2) == expected
     assert cfg2.moe_renormalize == model.layers[0].ffn.renormalize
     fresh = build_model(cfg2).eval()
@@ -364,3 +365,42 @@ def test_export_command_refuses_a_model_that_drops_assignments(tmp_path, capsys)
     assert err.startswith("scratchlm export: error: model.moe_capacity_factor=1.25 can drop assignments")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------- Qwen2-MoE as published
+
+
+def test_a_qwen2_moe_with_trained_qkv_biases_and_gqa_imports_with_the_same_logits(tmp_path):
+    # Published Qwen2-MoE checkpoints have non-zero q/k/v biases (and grouped-query attention):
+    # they become model.qkv_bias, as for a dense Qwen2, and export back to the same weights.
+    model, cfg = _model(seed=3, moe_top_k=2, moe_renormalize=False, moe_shared_experts=1, num_kv_heads=2)
+    state = to_hf_state_dict(model.state_dict(), cfg)
+    qwen = _qwen(cfg, state)
+    with torch.no_grad():
+        for name, p in qwen.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+    config = qwen.config.to_dict()
+    cfg2 = model_config_from_hf(config)
+    assert (cfg2.qkv_bias, cfg2.num_kv_heads, cfg2.moe_shared_experts) == (True, 2, 1)
+    ours = build_model(cfg2).eval()
+    ours.load_state_dict(from_hf_state_dict(qwen.state_dict(), cfg2))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    torch.testing.assert_close(_logits(ours, ids), _logits(qwen, ids), rtol=1e-5, atol=1e-5)
+    # the biases matter: without them the logits are far apart
+    unbiased = {k: (torch.zeros_like(v) if k.endswith("_proj.bias") else v) for k, v in ours.state_dict().items()}
+    plain = build_model(cfg2).eval()
+    plain.load_state_dict(unbiased)
+    assert (_logits(plain, ids) - _logits(qwen, ids)).abs().max() > 1e-3
+    # and back: a Qwen2-MoE directory with the same biases
+    export_hf(ours, cfg2, tmp_path)
+    theirs = _load(tmp_path)
+    assert type(theirs).__name__ == "Qwen2MoeForCausalLM"
+    torch.testing.assert_close(_logits(theirs, ids), _logits(qwen, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_qkv_biases_export_as_qwen2_moe_even_with_mixtral_gating():
+    model, cfg = _model(moe_top_k=2, qkv_bias=True)  # renormalised, no shared experts: Mixtral's gating
+    assert hf_moe.export_format(cfg) == "qwen2_moe"
+    config = hf_config(cfg)
+    assert config["norm_topk_prob"] is True and config["qkv_bias"] is True

@@ -5,10 +5,10 @@ is the Llama mapping of ``scratchlm.model.hf``, reused as is; this module maps t
 the config. Which format a model goes to follows from its gating, the one thing the two
 formats differ in that scratchlm can express:
 
-- renormalised top-k, no shared experts -> ``MixtralForCausalLM``: its router always divides
-  the chosen probabilities by their sum.
-- anything else (raw top-k probabilities, or shared experts) -> ``Qwen2MoeForCausalLM``, whose
-  ``norm_topk_prob`` says whether to renormalise.
+- renormalised top-k, no shared experts, no q/k/v biases -> ``MixtralForCausalLM``: its
+  router always divides the chosen probabilities by their sum.
+- anything else (raw top-k probabilities, shared experts, or ``qkv_bias``) ->
+  ``Qwen2MoeForCausalLM``, whose ``norm_topk_prob`` says whether to renormalise.
 
 Both compute ``softmax(x Wᵣᵀ)`` in fp32, take the top k, and sum ``gate · w2(silu(w1 x) · w3 x)``
 over the chosen experts, exactly as ``MoEFFN``; neither drops assignments (dropless).
@@ -22,8 +22,10 @@ to the bit (no saturated sigmoid, which would only be close). Import reverses it
 non-zero gate, which has no scratchlm counterpart. Without shared experts the shared expert
 has width 0 (``shared_expert_intermediate_size = 0``), which adds exactly nothing.
 
-Qwen2-MoE's q/k/v projections have biases; they are exported as zeros, and import refuses
-non-zero ones. Weights are written in the per-expert layout of the published checkpoints
+Qwen2-MoE's q/k/v projections have biases: a model with ``qkv_bias`` exports its own, one
+without exports zeros, and import gives ``qkv_bias`` (the ``qkv_bias`` of config.json, true
+unless it says otherwise), the biases permuted with their rows as for a dense Qwen2 (``hf``).
+Weights are written in the per-expert layout of the published checkpoints
 (``block_sparse_moe.experts.{j}.w1.weight`` for Mixtral, ``mlp.experts.{j}.gate_proj.weight``
 for Qwen2-MoE), which every transformers version loads; import also reads transformers 5's
 fused in-memory layout (``mlp.experts.gate_up_proj`` / ``down_proj``).
@@ -56,9 +58,11 @@ _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_p
 
 
 def _dense(cfg: Any) -> Any:
-    """The config with a SwiGLU FFN: what ``hf``'s Llama mapping checks and converts."""
+    """The config with a SwiGLU FFN and no say on q/k/v biases (Qwen2-MoE's own; `export_format`
+    decides about them): what ``hf``'s Llama mapping checks and converts."""
     dense = copy.copy(cfg)
     dense.ffn = "swiglu"
+    dense.qkv_bias = False
     return dense
 
 
@@ -77,7 +81,7 @@ def export_format(cfg: Any) -> str:
             f"only dropless models export (capacity factor none or at least moe_num_experts/moe_top_k="
             f"{experts / top_k:g})"
         )
-    if renormalizes(top_k, cfg.moe_renormalize) and not cfg.moe_shared_experts:
+    if renormalizes(top_k, cfg.moe_renormalize) and not cfg.moe_shared_experts and not getattr(cfg, "qkv_bias", False):
         return "mixtral"
     return "qwen2_moe"
 
@@ -166,7 +170,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
             out[dst + "shared_expert_gate.weight"] = like.new_zeros(1, d_model)
             for proj in ("q_proj", "k_proj", "v_proj"):
                 weight = out[f"model.layers.{i}.self_attn.{proj}.weight"]
-                out[f"model.layers.{i}.self_attn.{proj}.bias"] = weight.new_zeros(weight.shape[0])
+                out.setdefault(f"model.layers.{i}.self_attn.{proj}.bias", weight.new_zeros(weight.shape[0]))
     if ffn:
         raise ValueError(f"unexpected MoE state dict keys {sorted(ffn)}")
     return out
@@ -175,16 +179,17 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
 def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     """Mixtral / Qwen2-MoE state dict (published per-expert layout or transformers 5's fused one)
     -> scratchlm MoE TransformerLM state dict. UserError for weights scratchlm cannot express
-    exactly: a non-zero shared-expert gate or q/k/v bias."""
+    exactly: a non-zero shared-expert gate, or a non-zero q/k/v bias when ``cfg.qkv_bias`` is false."""
     layers: dict[int, dict[str, Tensor]] = {}
     rest: dict[str, Tensor] = {}
     for name, tensor in hf_state_dict.items():
         match = _FFN_KEY.fullmatch(name)
         if match:
             layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor.detach()
-        elif _QKV_BIAS_KEY.fullmatch(name):
+        elif _QKV_BIAS_KEY.fullmatch(name) and not getattr(cfg, "qkv_bias", False):
             if torch.any(tensor != 0):
-                raise UserError(f"{name} is not zero: scratchlm attention has no biases")
+                raise UserError(f"{name} is not zero but model.qkv_bias is false: import with the "
+                                "directory's own config (model_config_from_hf), which sets it")
         else:
             rest[name] = tensor
     out = hf.from_hf_state_dict(rest, _dense(cfg))
@@ -278,6 +283,7 @@ def model_config_from_hf(config: dict[str, Any]) -> Any:
             moe_capacity_factor=None,
             moe_aux_scope="model",
             moe_aux_coef=float(config.get("router_aux_loss_coef", 0.001)) * top_k,
+            qkv_bias=kind == "qwen2_moe" and bool(config.get("qkv_bias", True)),
         )
     except ValueError as e:
         raise UserError(f"{kind} config: {e}") from None
