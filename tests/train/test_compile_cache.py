@@ -36,6 +36,16 @@ def test_empty_changes_nothing_and_a_named_job_is_kept(tmp_path, monkeypatch, to
     assert torch.compiler.config.job_id == "mine"
 
 
+def test_a_later_model_in_the_same_process_gets_its_own_job(tmp_path, torch_cache_settings):
+    # `scratchlm sweep` trains its points in one process: each model keeps its own shape profile
+    use_compile_cache(str(tmp_path), job_text="model A")
+    use_compile_cache(str(tmp_path), job_text="model B")
+    assert torch.compiler.config.job_id == compile_job_id("model B")
+    torch.compiler.config.job_id = "mine"  # one the user named stays
+    use_compile_cache(str(tmp_path), job_text="model C")
+    assert torch.compiler.config.job_id == "mine"
+
+
 def test_auto_is_under_the_user_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_compile_cache_dir() == tmp_path / "scratchlm" / "compile"

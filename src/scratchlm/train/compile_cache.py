@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 
 log = logging.getLogger("scratchlm.train")
+_our_job_id: str | None = None  # the job name this module set last (a later model replaces it)
 
 
 def default_compile_cache_dir() -> Path:
@@ -49,7 +50,8 @@ def compile_job_id(text: str) -> str:
 def use_compile_cache(directory: str, *, job_text: str) -> Path | None:
     """Keep torch.compile's caches in `directory` ("auto": `default_compile_cache_dir()`; ""
     changes nothing and returns None). `job_text` (e.g. the model config and the compile
-    options) names the job for Dynamo's profile unless ``torch.compiler.config.job_id`` is set.
+    options) names the job for Dynamo's profile unless ``torch.compiler.config.job_id`` was set
+    by someone else (a job name from an earlier call, another model of the same process, is replaced).
 
     Call before the first compilation: it sets ``TORCHINDUCTOR_CACHE_DIR`` for this process.
     """
@@ -61,7 +63,8 @@ def use_compile_cache(directory: str, *, job_text: str) -> Path | None:
     path = path.resolve()
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    if torch.compiler.config.job_id is None:
-        torch.compiler.config.job_id = compile_job_id(job_text)
+    global _our_job_id
+    if torch.compiler.config.job_id in (None, _our_job_id):
+        _our_job_id = torch.compiler.config.job_id = compile_job_id(job_text)
     log.info("torch.compile caches in %s", path)
     return path
