@@ -90,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_step(model: torch.nn.Module, step_model, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               autocast, grad_clip: float) -> torch.Tensor:
+    """One optimizer step on (x, y): forward under `autocast`, float32 cross-entropy, backward,
+    clipping (when grad_clip > 0) and the AdamW step; returns the loss."""
+    with autocast:
+        logits = step_model(x)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
 
@@ -150,14 +165,7 @@ def main(argv=None) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = batch(train, rng.integers(0, len(train) - T - 1, size=B))
-        with autocast:
-            logits = step_model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, step_model, opt, x, y, autocast, args.grad_clip)
         tokens_seen += B * T
         if step % args.log_interval == 0:
             log.write(json.dumps({"event": "train", "step": step, "loss": loss.item(), "lr": lr,
@@ -212,14 +220,7 @@ def train_for_time(args, model, step_model, opt, train: np.ndarray, val: np.ndar
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = window_batch(train, rng.integers(0, len(train) - T - 1, size=B), T, device)
-        with autocast:
-            logits = step_model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, step_model, opt, x, y, autocast, args.grad_clip)
         step += 1
         tokens_seen += B * T
         elapsed = clock()
