@@ -82,7 +82,7 @@ def test_eval_math_command_grades_with_the_named_reward(tiny_policy, tmp_path, c
     capsys.readouterr()
     assert main(["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--reward", "bleu"]) == 2
     err = capsys.readouterr().err
-    assert "--reward must be one of" in err and len(err.strip().splitlines()) == 1
+    assert "unknown reward 'bleu'; choose one of" in err and len(err.strip().splitlines()) == 1
 
 
 def test_evaluate_policy_takes_a_reward_name():
