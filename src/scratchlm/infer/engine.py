@@ -13,6 +13,9 @@ running them. So the per-token work is made replayable:
   step's graph also takes the argmax and records the token; a sampled step draws on the GPU
   just after the replay (`sampling.sample_next` never synchronises). On the CPU the same step
   runs eagerly.
+- Each layer's q|k|v and SwiGLU w1|w3 projections run as one matmul each, through stacked
+  copies of their weights refreshed at every run (`stacked.StackedProjections`): at small batch
+  a step is bound by how many kernels it launches.
 - Finished rows are found on the host only every `check_every` steps (one sync). Then the
   finished rows' tokens are read back, their slots are refilled with waiting prompts (prefill
   of just those rows), and once no prompt waits, the live rows are compacted into the first
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.infer.sampling import sample_next
+from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
 
 
@@ -61,11 +65,15 @@ class DecodeEngine:
 
     One engine can serve many `run` calls with the same slot count and maximum length; its
     captured steps are kept. `compile` wraps the step's forward in `torch.compile` (CUDA only);
-    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
+    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `stack_projections` (default)
+    keeps each layer's q|k|v and w1|w3 weights as one matrix each, refreshed from the model at
+    every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a step, for a copy of those
+    weights in memory (in the autocast dtype under autocast).
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
-                 cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16) -> None:
+                 cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
+                 stack_projections: bool = True) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.slots = slots
@@ -75,6 +83,9 @@ class DecodeEngine:
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self.cache = StaticKVCache.for_model(model, slots, max_len, device=self.device)
+        if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
+            projections = StackedProjections.for_model(model)
+            self.cache.projections = projections if len(projections) else None
         self._forward = self._decode_logits
         if compile and cuda:
             self._forward = torch.compile(self._decode_logits, dynamic=True)
@@ -198,6 +209,17 @@ class DecodeEngine:
         self.done[n:] = True
         self.cache.move_rows(0, src, min(hi, self.max_len))
 
+    def _refresh_projections(self) -> None:
+        """The stacked weights take the model's current ones (it may have trained since the last
+        run), in the autocast dtype when autocast is on; new buffers void the captured steps."""
+        projections = self.cache.projections
+        if projections is None:
+            return
+        kind = self.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if projections.refresh(dtype):
+            self._graphs.clear()
+
     # ---- the loop -------------------------------------------------------------------------
 
     def run(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], *, temperature: float = 1.0,
@@ -209,6 +231,7 @@ class DecodeEngine:
         take the slots of rows that finish.
         """
         n_req = len(prompts)
+        self._refresh_projections()
         for i, (p, g) in enumerate(zip(prompts, budgets)):
             if len(p) + g > self.max_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + {g} new exceed the engine's max_len={self.max_len}")

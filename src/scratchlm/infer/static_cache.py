@@ -11,6 +11,7 @@ step be captured once (CUDA graph, torch.compile) and replayed.
 The model sees the cache through the interface its attention already calls
 (`update(layer_idx, k, v) -> (k_all, v_all)`, `attention_mask(T, L, device=...)`,
 `positions(T, layer_idx=..., device=...)`), via two short-lived views. Each also offers
+`stacked(layer_idx, kind)`, the engine's stacked projection weights (`scratchlm.infer.stacked`), and
 `attend(q, k, v, mask)`, which the attention uses when a cache has it: torch's fused
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels) in the cache's dtype,
 where the model's reference path computes in float32:
@@ -78,6 +79,13 @@ class StaticKVCache:
         self.dtype = dtype
         self.k: list[Tensor | None] = [None] * num_layers
         self.v: list[Tensor | None] = [None] * num_layers
+        # stacked q|k|v and w1|w3 weights the views offer the model (`scratchlm.infer.stacked`);
+        # the engine sets and refreshes them
+        self.projections = None
+
+    def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
+        """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
+        return None if self.projections is None else self.projections.get(layer_idx, kind)
 
     @classmethod
     def for_model(cls, model: nn.Module, slots: int, max_len: int, *, device: torch.device | str,
@@ -135,6 +143,9 @@ class PrefillView:
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return torch.arange(T, device=device)
 
+    def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
+        return self.cache.stacked(layer_idx, kind)
+
 
 class DecodeView:
     """The cache as the model sees it for one decode step of the first b slots.
@@ -175,3 +186,6 @@ class DecodeView:
 
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:
         return self.pos[:, None]
+
+    def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
+        return self.cache.stacked(layer_idx, kind)

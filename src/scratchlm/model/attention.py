@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from scratchlm.model.attention_backend import AttentionBackend
 from scratchlm.model.attention_backends import MathAttention, make_attention_backend, warn_fallback
 from scratchlm.model.functional import causal_mask
-from scratchlm.model.layers import Linear, RMSNorm, can_fuse, project_together
+from scratchlm.model.layers import Linear, RMSNorm, can_fuse, project_together, stacked_linear
 from scratchlm.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -202,7 +202,12 @@ class MultiHeadSelfAttention(nn.Module):
                 and attention_mask is None and not windowed and not self.qk_norm
                 and (backend.grouped_kv or self.kv_groups == 1)):
             return self.output_proj(self._attend_packed(backend, x, projections, token_positions))
-        if fuse:
+        # The decoding engine's view may hold q|k|v stacked as one matrix: one matmul, not three.
+        stacked = kv_cache.stacked(self.layer_idx, "qkv") if hasattr(kv_cache, "stacked") else None
+        if stacked is not None:
+            kv_dim = self.num_kv_heads * self.head_dim
+            q, k, v = map(self._heads, stacked_linear(x, stacked).split((self.d_model, kv_dim, kv_dim), dim=-1))
+        elif fuse:
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)

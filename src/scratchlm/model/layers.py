@@ -56,6 +56,14 @@ def can_fuse(x: Tensor, *linears: nn.Module) -> bool:
         type(m) is Linear and not m._forward_hooks and not m._forward_pre_hooks for m in linears))
 
 
+def stacked_linear(x: Tensor, stacked: tuple[Tensor, Tensor | None]) -> Tensor:
+    """x through a (weight, bias or None) pair that stacks several projections' rows, with the
+    math of the modules stacked (`Linear`: x Wᵀ; a biased projection: F.linear, the bias in the
+    weight's dtype). The decoding engine keeps such pairs (`scratchlm.infer.stacked`)."""
+    w, b = stacked
+    return x @ w.t() if b is None else torch.nn.functional.linear(x, w, b)
+
+
 class _ProjectTogether(torch.autograd.Function):
     """Forward: one matmul against the concatenated weights. Backward: with `split`, per
     projection, as separate Linears would (the output gradients are never concatenated);
@@ -183,7 +191,12 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stacked: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
+        """`stacked`: w1 and w3 as one (2·d_ff, d_model) matrix (`stacked_linear`), which the
+        decoding engine passes to make the two projections one matmul."""
+        if stacked is not None:
+            gate, up = stacked_linear(x, stacked).chunk(2, dim=-1)
+            return self.w2(silu(gate) * up)
         fuse = self.fused and can_fuse(x, self.w1, self.w3)
         if fuse and x.is_cuda:
             # w1 x | w3 x as one tensor; the gate's backward kernel writes its gradient as one

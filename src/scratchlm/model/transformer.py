@@ -164,9 +164,14 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         if self.norm_position == "pre":
             x = x + self.attn(self.ln1(x), token_positions, kv_cache, attention_mask=attention_mask)
-            return x + self.ffn(self.ln2(x))
+            return x + self._ffn(self.ln2(x), kv_cache)
         x = self.ln1(x + self.attn(x, token_positions, kv_cache, attention_mask=attention_mask))
-        return self.ln2(x + self.ffn(x))
+        return self.ln2(x + self._ffn(x, kv_cache))
+
+    def _ffn(self, x: Tensor, kv_cache: Any) -> Tensor:
+        # the decoding engine's view may hold a SwiGLU's w1|w3 stacked as one matrix
+        stacked = kv_cache.stacked(self.attn.layer_idx, "w13") if hasattr(kv_cache, "stacked") else None
+        return self.ffn(x) if stacked is None else self.ffn(x, stacked)
 
 
 class TransformerLM(nn.Module):
