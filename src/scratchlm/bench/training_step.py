@@ -61,6 +61,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cudagraphs_separate_proj": ("scratchlm (cudagraphs variant, separate q/k/v, w1/w3)",
                                  dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
                                       fused_projections=False)),
+    # "cudagraphs" with the blocks' matmuls in FP8 (trainer.fp8; scratchlm.model.fp8)
+    "cudagraphs_fp8": ("scratchlm (cudagraphs variant, FP8 block matmuls)",
+                       dict(optimizer="triton", fused_head=True, mode="reduce-overhead", fp8=True)),
     # "cudagraphs" with q/k/v's backward as three matmuls each way (model.packed_qkv_backward=False)
     "cudagraphs_unpacked_qkv": ("scratchlm (cudagraphs variant, q/k/v backward per projection)",
                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
@@ -139,7 +142,7 @@ def make_reference(shape: dict[str, int], holder: dict, compile_loss: bool) -> M
 
 def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_head: bool = False,
                    mode: str = "default", compile_loss: bool = False, fused_projections: bool = True,
-                   packed_qkv_backward: bool = True) -> Maker:
+                   packed_qkv_backward: bool = True, fp8: bool = False) -> Maker:
     """scratchlm's compiled step in one `VARIANTS` configuration. ``optimizer``: "scratchlm"
     (multi-tensor AdamW), "torch_fused" or "triton" (scratchlm's AdamW with fused=True)."""
     from scratchlm.optim.adamw import AdamW
@@ -148,6 +151,10 @@ def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_he
         torch.manual_seed(0)
         m = holder["m"] = scratchlm_model(shape, fused_projections=fused_projections,
                                           packed_qkv_backward=packed_qkv_backward)
+        if fp8:
+            from scratchlm.model.fp8 import convert_to_float8
+
+            convert_to_float8(m)
         opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
                else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
         if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)

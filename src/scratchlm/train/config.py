@@ -65,6 +65,9 @@ class TrainerConfig:
     # tokens, never the full (tokens x vocab) float32 logits. Half the step's memory and ~10% faster
     # at GPT-2-small size on an H200 (docs/benchmarks/train_step.md); single-process runs only.
     fused_lm_head: bool = False
+    # The Transformer blocks' matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales,
+    # torch._scaled_mm; scratchlm.model.fp8). CUDA needs compute capability 8.9+ (Ada, Hopper).
+    fp8: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)
     progress: bool = True  # show a tqdm progress bar (log lines are printed either way)

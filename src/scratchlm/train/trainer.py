@@ -124,6 +124,9 @@ def check_combinations(cfg: TrainConfig) -> None:
     if tc.seq_len_warmup_steps and cfg.model.context_length % stages:
         raise UserError(f"trainer.seq_len_warmup_steps cuts windows to 1/{stages} of model.context_length, "
                         f"so context_length must divide by {stages}, not {cfg.model.context_length}")
+    if tc.fp8 and cfg.parallel.strategy in ("fsdp", "torch_fsdp2"):
+        raise UserError(f"trainer.fp8 casts whole weight matrices, which parallel.strategy="
+                        f"{cfg.parallel.strategy!r} shards: use 'none' or a DDP strategy")
     if tc.time_budget_s and cfg.optim.cosine_steps is not None:
         raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
                         "follows the clock: leave optim.cosine_steps unset")
@@ -165,6 +168,8 @@ class Trainer:
         self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
         self.raw_model = build_model(cfg.model, device=self.device)
+        if tc.fp8:
+            self._use_fp8()
         if tc.compile:
             self._use_compile_cache()
         run = parallelize(self.raw_model, tc, strategy)
@@ -224,6 +229,14 @@ class Trainer:
                                              "seq_len_warmup_steps")}
         job = config_to_toml(self.cfg.model) + repr(sorted(shape.items())) + f"{self.world_size} {self.device.type}"
         use_compile_cache(tc.compile_cache_dir, job_text=job)
+
+    def _use_fp8(self) -> None:
+        from scratchlm.model.fp8 import convert_to_float8
+
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            name = torch.cuda.get_device_name(self.device)
+            raise UserError(f"trainer.fp8 needs FP8 tensor cores (compute capability 8.9+); {name} has none")
+        convert_to_float8(self.raw_model)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
