@@ -126,3 +126,76 @@ def test_scratch_completions_carry_the_generated_ids(tiny_policy):
     ids = generate(tiny_policy.model, [tiny_policy.encode(p) for p in PROMPTS], 8, temperature=1.0,
                    eos_id=tiny_policy.eos_id, seed=5)
     assert [c.token_ids for c in out] == ids
+
+
+class _CharTokenizer:
+    """Just what HFPolicy uses of a tokenizer: one id per character (ids 1..), eos 0."""
+
+    eos_token_id = pad_token_id = 0
+    eos_token = "<eos>"
+    padding_side = "left"
+
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 40 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("|" if i == 0 else chr(ord("a") + i % 26) for i in ids)
+
+
+def _written_elements(fn):
+    """Elements that tensor copies (copy_, clone, to, stack, cat) write while `fn` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    copies = {aten.copy_, aten.clone, aten._to_copy, aten.stack, aten.cat}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in copies:
+                Count.n += out.numel()
+            return out
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_hf_policy_refreshes_the_engine_twin_with_one_copy_at_most(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8)
+    prompts = ["hello there", "x", "a longer prompt of text"]
+    policy = HFPolicy(hf, _CharTokenizer())
+    reference = HFPolicy(hf, _CharTokenizer(), use_engine=False)
+
+    def same_as_reference():
+        ours = [c.token_ids for c in policy.generate(prompts, max_new_tokens=12, temperature=0.0)]
+        return ours == [c.token_ids for c in reference.generate(prompts, max_new_tokens=12, temperature=0.0)]
+
+    assert same_as_reference()
+    twin = policy._twin[0]
+    addresses = {k: v.data_ptr() for k, v in twin.state_dict().items()}
+    size = sum(p.numel() for p in hf.parameters())
+    # each weight is copied into the twin at most once a call (none that it can share)
+    assert _written_elements(policy._engine_twin) <= size
+    # a training step changes every weight in place: the next generate follows
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p), alpha=0.05)
+        hf.lm_head.weight.mul_(-1)
+    assert same_as_reference()
+    # the twin's weights stay where they were (the engine's captured steps read them there)
+    assert {k: v.data_ptr() for k, v in twin.state_dict().items()} == addresses
+    # a weight given new memory (not updated in place) is followed too
+    layer = hf.model.layers[1]
+    layer.mlp.down_proj.weight = torch.nn.Parameter(torch.randn_like(layer.mlp.down_proj.weight))
+    layer.self_attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(layer.self_attn.q_proj.weight))
+    assert same_as_reference()

@@ -105,6 +105,22 @@ def test_a_fresh_run_in_an_empty_resume_directory_starts_at_zero(cfg, tmp_path):
     assert not (tmp_path / "run" / "metrics.dropped.jsonl").exists()
 
 
+def test_resuming_a_finished_run_writes_nothing_and_says_so(cfg, tmp_path, caplog):
+    run = tmp_path / "run"
+    run_training(cfg)
+    files = ("metrics.jsonl", "config.toml")
+    before = {name: (run / name).read_text() for name in files}
+    with caplog.at_level(logging.INFO, logger="scratchlm"):
+        run_training(replace(cfg, trainer=replace(cfg.trainer, eval_interval=2)), resume=True)
+    assert {name: (run / name).read_text() for name in files} == before  # no second "end" record
+    assert "already finished at step 12" in caplog.text
+    assert not (run / "metrics.dropped.jsonl").exists()
+    # a larger max_steps is not finished: it trains on and ends once more, at its new end
+    run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=16)), resume=True)
+    ends = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["event"] == "end"]
+    assert ends == [12, 16] and train_steps(run) == list(range(1, 17))
+
+
 # ---------------------------------------------------------------- pruning
 
 

@@ -198,8 +198,37 @@ def test_a_changed_config_is_refused_before_any_point_runs(preset, tmp_path):
     points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2"]), out)
     run_sweep(points, out, echo=lambda line: None)
     changed = plan_sweep(preset, ["--trainer.max_steps=6"], parse_grid(["optim.lr=1e-2"]), out)
-    with pytest.raises(UserError, match="different config"):
+    with pytest.raises(UserError, match="different config") as err:
         run_sweep(changed, out, echo=lambda line: None)
+    assert "\n" not in str(err.value) and "(it differs in trainer.max_steps)" in str(err.value)
+
+
+def _reformatted(text):
+    """The same config as other TOML: keys in reverse order, floats spelled out, a comment, and
+    without model.qk_norm (as a version from before the key existed wrote it)."""
+    sections, current = [], None
+    for line in text.splitlines():
+        if line.startswith("["):
+            current = [line]
+            sections.append(current)
+        elif "=" in line and not line.startswith("qk_norm"):
+            key, value = (part.strip() for part in line.split("=", 1))
+            if "." in value and not value.startswith(("\"", "[")):
+                value = "%.17e" % float(value)
+            current.append(f"{key}   =   {value}  # written by hand")
+    return "\n\n".join("\n".join([lines[0], *reversed(lines[1:])]) for lines in sections) + "\n"
+
+
+def test_a_config_that_differs_only_in_formatting_is_the_same_point(preset, tmp_path):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2"]), out)
+    run_sweep(points, out, echo=lambda line: None)
+    saved = points[0].run_dir / "config.toml"
+    saved.write_text(_reformatted(saved.read_text()))
+    assert load_config(TrainConfig, saved) == points[0].cfg
+    lines = []
+    run_sweep(points, out, echo=lines.append)
+    assert "finished already" in lines[0]
 
 
 def test_summary_prefers_the_elapsed_seconds_a_trainer_logs(tmp_path):

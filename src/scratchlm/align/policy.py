@@ -104,6 +104,38 @@ def engine_completions(model: nn.Module, rows: list[list[int]], *, max_new_token
     return [finish_completion(ids, eos_id, stop, decode) for ids in new]
 
 
+def refresh_weights(model: nn.Module, state: dict[str, torch.Tensor], *, shareable: Any = ()) -> bool:
+    """Bring `model`'s weights to `state`, copying each at most once; True when one moved to other memory.
+
+    A weight of the same dtype, shape and device as its source, when that source is a contiguous
+    view of one of the `shareable` tensors (a Hugging Face model's own, not a converted copy),
+    shares its memory instead: nothing is copied, now or later, while the source is updated in
+    place (as optimizers do). The others are copied into memory of the model's own, which keeps
+    its address from one call to the next.
+    """
+    # every name a tensor has (a tied lm_head.weight too), as load_state_dict accepts
+    targets = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    wrong = (model.state_dict().keys() - state.keys()) | (state.keys() - targets.keys())
+    if wrong:
+        raise ValueError(f"weights missing or unexpected: {sorted(wrong)}")
+    storages = {t.untyped_storage().data_ptr() for t in shareable}
+    moved = False
+    for name, src in state.items():
+        dst = targets[name]
+        if (dst.data_ptr(), dst.shape, dst.stride(), dst.dtype, dst.device) == \
+                (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device):
+            continue  # already its memory
+        if (src.untyped_storage().data_ptr() in storages and src.is_contiguous()
+                and (src.shape, src.dtype, src.device) == (dst.shape, dst.dtype, dst.device)):
+            dst.data, moved = src, True
+            continue
+        if dst.untyped_storage().data_ptr() in storages:  # shared before: never write into the source's memory
+            dst.data, moved = torch.empty_like(dst), True
+        dst.copy_(src)
+    return moved
+
+
 class ScratchPolicy:
     """A scratchlm TransformerLM and Tokenizer; samples with scratchlm.infer.generate."""
 
@@ -160,7 +192,8 @@ class HFPolicy:
     A Llama, Qwen2, Mixtral or Qwen2-MoE that `scratchlm.model.hf` can express (grouped-query
     attention, Qwen2's q/k/v biases and an all-layer sliding window included; no RoPE scaling)
     samples with the scratchlm decoding engine, through a scratchlm twin of the model whose
-    weights are copied from the Hugging Face model at every call (so they follow training);
+    weights share the Hugging Face model's memory where their layout allows and are copied from
+    it once at every call otherwise (so they follow training; `refresh_weights`);
     other models, and weights the bridge refuses, sample with their own `generate`.
     `use_engine=False` forces the latter.
     """
@@ -238,12 +271,16 @@ class HFPolicy:
             self._twin = (build_model(cfg, device=self.device, dtype=dtype).eval(), cfg)
         twin, cfg = self._twin
         with torch.no_grad():
+            hf_state = self.model.state_dict()
             try:
-                state = from_hf_state_dict(self.model.state_dict(), cfg)
+                state = from_hf_state_dict(hf_state, cfg, copy=False)
             except UserError:  # weights the twin cannot hold exactly (a Qwen2-MoE shared-expert gate that trained)
                 self._twin = False
                 return None
-            twin.load_state_dict(state)
+            if refresh_weights(twin, state, shareable=hf_state.values()):
+                from scratchlm.infer.generate import release_engines
+
+                release_engines(twin)  # its captured decode steps read the weights' old addresses
         return twin
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:

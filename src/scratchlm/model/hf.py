@@ -167,14 +167,15 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
     return out
 
 
-def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any, *, copy: bool = True) -> dict[str, Tensor]:
     """LlamaForCausalLM or Qwen2ForCausalLM state dict -> scratchlm TransformerLM state dict.
 
     Buffers such as ``rotary_emb.inv_freq`` are ignored; a missing ``lm_head.weight`` (tied
-    embeddings) is filled with the embedding matrix.
+    embeddings) is filled with the embedding matrix. With ``copy=False`` tensors that need no
+    change are returned as (detached) views of the given ones instead of copies.
     """
     if (moe := _moe(cfg)) is not None:
-        return moe.from_hf_state_dict(hf_state_dict, cfg)
+        return moe.from_hf_state_dict(hf_state_dict, cfg, copy=copy)
     global_back = {v: k for k, v in _GLOBAL_NAMES.items()}
     layer_back = {v: k for k, v in _LAYER_NAMES.items()}
     out: dict[str, Tensor] = {}
@@ -182,7 +183,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, 
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name in global_back:
-            out[global_back[name]] = tensor.detach().clone()
+            out[global_back[name]] = tensor.detach().clone() if copy else tensor.detach()
             continue
         parts = name.split(".", 3)
         if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in layer_back:
@@ -191,7 +192,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, 
         tensor = tensor.detach()
         if suffix in _ROPE_PERMUTED:
             tensor = half_to_interleaved(tensor, _rope_heads(suffix, cfg))
-        out[f"layers.{parts[2]}.{suffix}"] = tensor.clone().contiguous()
+        out[f"layers.{parts[2]}.{suffix}"] = tensor.clone().contiguous() if copy else tensor
     if "lm_head.weight" not in out and "token_embeddings.weight" in out:
         out["lm_head.weight"] = out["token_embeddings.weight"]
     return out

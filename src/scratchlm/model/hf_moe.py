@@ -176,10 +176,11 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tenso
     return out
 
 
-def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any, *, copy: bool = True) -> dict[str, Tensor]:
     """Mixtral / Qwen2-MoE state dict (published per-expert layout or transformers 5's fused one)
     -> scratchlm MoE TransformerLM state dict. UserError for weights scratchlm cannot express
-    exactly: a non-zero shared-expert gate, or a non-zero q/k/v bias when ``cfg.qkv_bias`` is false."""
+    exactly: a non-zero shared-expert gate, or a non-zero q/k/v bias when ``cfg.qkv_bias`` is false.
+    ``copy=False``: tensors that need no change are views of the given ones (`hf.from_hf_state_dict`)."""
     layers: dict[int, dict[str, Tensor]] = {}
     rest: dict[str, Tensor] = {}
     for name, tensor in hf_state_dict.items():
@@ -192,25 +193,30 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: Any) -> dict[str, 
                                 "directory's own config (model_config_from_hf), which sets it")
         else:
             rest[name] = tensor
-    out = hf.from_hf_state_dict(rest, _dense(cfg))
+    out = hf.from_hf_state_dict(rest, _dense(cfg), copy=copy)
     if sorted(layers) != list(range(cfg.num_layers)):
         raise ValueError(f"expected MoE weights for layers 0..{cfg.num_layers - 1}, found {sorted(layers)}")
     for i, ffn in layers.items():
         dst = f"layers.{i}.ffn."
-        out[dst + "router.weight"] = ffn.pop("gate.weight").clone()
-        w1, w3, w2 = _experts(ffn, cfg.moe_num_experts, f"model.layers.{i}")
+        router = ffn.pop("gate.weight")
+        out[dst + "router.weight"] = router.clone() if copy else router
+        w1, w3, w2 = _experts(ffn, cfg.moe_num_experts, f"model.layers.{i}", copy=copy)
         out[dst + "w1"], out[dst + "w3"], out[dst + "w2"] = w1, w3, w2
-        out.update({dst + k: v for k, v in _shared(ffn, cfg, f"model.layers.{i}").items()})
+        out.update({dst + k: v for k, v in _shared(ffn, cfg, f"model.layers.{i}", copy=copy).items()})
         if ffn:
             raise ValueError(f"unexpected Hugging Face MoE keys in layer {i}: {sorted(ffn)}")
     return out
 
 
-def _experts(ffn: dict[str, Tensor], num_experts: int, where: str) -> tuple[Tensor, Tensor, Tensor]:
+def _experts(ffn: dict[str, Tensor], num_experts: int, where: str, *,
+             copy: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Stacked (w1, w3, w2) from one layer's expert tensors; the tensors used are popped."""
     if "experts.gate_up_proj" in ffn:  # transformers 5: (E, 2F, D) gate then up, and (E, D, F)
         w1, w3 = ffn.pop("experts.gate_up_proj").chunk(2, dim=1)
-        return w1.clone().contiguous(), w3.clone().contiguous(), ffn.pop("experts.down_proj").clone().contiguous()
+        w2 = ffn.pop("experts.down_proj")
+        if not copy:
+            return w1, w3, w2
+        return w1.clone().contiguous(), w3.clone().contiguous(), w2.clone().contiguous()
     for names in _EXPERT_NAMES.values():
         if f"experts.0.{names[0]}.weight" in ffn:
             try:
@@ -222,7 +228,7 @@ def _experts(ffn: dict[str, Tensor], num_experts: int, where: str) -> tuple[Tens
     raise ValueError(f"{where}: no expert weights found")
 
 
-def _shared(ffn: dict[str, Tensor], cfg: Any, where: str) -> dict[str, Tensor]:
+def _shared(ffn: dict[str, Tensor], cfg: Any, where: str, *, copy: bool = True) -> dict[str, Tensor]:
     """scratchlm ``shared.*`` weights from a Qwen2-MoE layer's shared expert (popped), undoing the
     factor 2 of the gate sigmoid(0) = 1/2; empty without a shared expert."""
     if "shared_expert_gate.weight" not in ffn:
@@ -240,7 +246,9 @@ def _shared(ffn: dict[str, Tensor], cfg: Any, where: str) -> dict[str, Tensor]:
         )
     if w1.shape[0] != cfg.moe_shared_experts * cfg.d_ff:
         raise ValueError(f"{where}: shared expert width {w1.shape[0]} does not match the config")
-    return {"shared.w1.weight": w1.clone(), "shared.w3.weight": w3.clone(), "shared.w2.weight": w2 * 0.5}
+    if copy:
+        w1, w3 = w1.clone(), w3.clone()
+    return {"shared.w1.weight": w1, "shared.w3.weight": w3, "shared.w2.weight": w2 * 0.5}
 
 
 def model_config_from_hf(config: dict[str, Any]) -> Any:

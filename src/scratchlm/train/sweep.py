@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,19 +174,45 @@ def point_status(point: SweepPoint) -> str:
     """"new" (nothing written yet), "finished" (its run logged its end) or "unfinished".
 
     A run directory that holds a different config (the sweep's command changed since it ran)
-    is refused: resuming or skipping it would mix two experiments under one name.
+    is refused: resuming or skipping it would mix two experiments under one name. The configs
+    are compared as parsed TOML, so key order and number spelling do not matter, and a key the
+    saved config does not name (written before the key existed) compares as its default.
     """
     run_dir = point.run_dir
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return "new"
     saved = run_dir / "config.toml"
-    if saved.is_file() and saved.read_text(encoding="utf-8") != config_to_toml(point.cfg):
-        raise UserError(f"{run_dir} holds a run of a different config than this sweep's point {point.name}; "
-                        "rerun with the same config and overrides, or use another --out")
+    if saved.is_file():
+        try:
+            old = _flat_toml(saved.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"{saved} is not valid TOML ({exc}); move the run aside or use another --out") from None
+        old = {**_flat_toml(config_to_toml(type(point.cfg)())), **old}
+        new = _flat_toml(config_to_toml(point.cfg))
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        if changed:
+            raise UserError(f"{run_dir} holds a run of a different config than this sweep's point {point.name} "
+                            f"(it differs in {', '.join(changed)}); rerun with the same config and overrides, "
+                            "or use another --out")
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and any(r.get("event") == "end" for r in _read_records(metrics)):
         return "finished"
     return "unfinished"
+
+
+def _flat_toml(text: str) -> dict[str, Any]:
+    """A TOML document's values by dotted key (``optim.lr``)."""
+    flat: dict[str, Any] = {}
+
+    def walk(table: dict[str, Any], prefix: str) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = value
+
+    walk(tomllib.loads(text), "")
+    return flat
 
 
 def run_sweep(points: Sequence[SweepPoint], out: str | Path, *,

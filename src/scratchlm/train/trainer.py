@@ -9,7 +9,8 @@ uses `min_lr`.
 Resuming is exact: a checkpoint holds weights, optimizer state, RNG states, the sampler's
 position and the partial train-loss window, and on resume metrics.jsonl is cut back to the
 checkpoint's step; with `trainer.deterministic` an interrupted-and-resumed run logs bitwise the
-same losses as an uninterrupted one (tests/train/test_trainer.py checks this).
+same losses as an uninterrupted one (tests/train/test_trainer.py checks this). Resuming a run that
+already logged its "end" and has nothing left to train writes nothing and only says so.
 
 Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
 never costs the newest checkpoint.
@@ -193,24 +194,29 @@ class Trainer:
         # Found and verified before anything in the run directory changes: a refusal loses nothing.
         resume_dir = ckpt.find_resume_checkpoint(self.run_dir, None if resume is True else resume,
                                                  set_aside_newer=self.is_main) if resume else None
-        if self.is_main:
+        if resume:
+            self._resume(resume_dir)
+        # A resumed run that already logged its end at this step, with nothing left to train, is
+        # complete: nothing more is written to it and `fit` only says so.
+        self.finished = bool(resume) and (self.step >= tc.max_steps or self._budget_spent()) \
+            and self._has_record("end", self.step)
+        if self.is_main and not self.finished:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
-        if resume:
-            self._resume(resume_dir)
-        elif self.is_main and (self.run_dir / "metrics.jsonl").exists():
+        if not resume and self.is_main and (self.run_dir / "metrics.jsonl").exists():
             truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log
         if logger is None:
-            logger = NullLogger() if not self.is_main else open_loggers(
+            logger = NullLogger() if not self.is_main or self.finished else open_loggers(
                 self.run_dir, wandb_project=tc.wandb_project, tensorboard=tc.tensorboard, config=config_to_dict(cfg))
         self.logger = logger
         num_params = sum(p.numel() for p in self.raw_model.parameters())
         self.throughput = Throughput(train_flops_per_token(cfg.model), world_size=self.world_size,
                                      peak=peak_flops(self.device, "bf16" if self.bf16 else "fp32", override=tc.peak_flops))
-        self.logger.log({"event": "resume" if self.step else "start", "step": self.step,
-                         "num_params": num_params, "device": str(self.device), "world_size": self.world_size,
-                         "precision": "bf16" if self.bf16 else "fp32", **environment_info()})
+        if not self.finished:
+            self.logger.log({"event": "resume" if self.step else "start", "step": self.step,
+                             "num_params": num_params, "device": str(self.device), "world_size": self.world_size,
+                             "precision": "bf16" if self.bf16 else "fp32", **environment_info()})
 
     # ------------------------------------------------------------------ setup
 
@@ -269,6 +275,10 @@ class Trainer:
         evaluates and finishes (plots, samples) at the step it reached.
         """
         tc = self.cfg.trainer
+        if self.finished:
+            log.info("%s already finished at step %d; nothing to do (raise trainer.max_steps%s to train on)",
+                     self.run_dir, self.step, " or trainer.time_budget_s" if tc.time_budget_s else "")
+            return {}
         stop = tc.max_steps if until is None else min(until, tc.max_steps)
         last: dict[str, Any] = {}
         spent = self._budget_spent()  # a resumed run whose time budget ran out before
@@ -423,8 +433,11 @@ class Trainer:
         return step == self.cfg.trainer.max_steps or (interval > 0 and step % interval == 0)
 
     def _has_eval_record(self, step: int) -> bool:
+        return self._has_record("eval", step)
+
+    def _has_record(self, event: str, step: int) -> bool:
         path = self.run_dir / "metrics.jsonl"
-        return path.is_file() and any(r.get("event") == "eval" and r.get("step") == step
+        return path.is_file() and any(r.get("event") == event and r.get("step") == step
                                       for r in read_metrics(path))
 
     def _evaluate(self, *, final: bool = False) -> dict[str, Any]:
