@@ -168,3 +168,31 @@ def test_packed_sft_learns_and_counts_windows(tiny_policy):
     lm = sft_train(tiny_policy, pairs, sft=SFTConfig(micro_batch_size=2, grad_accum_steps=1, max_steps=1, packed=True,
                                                      pack_length=64, mask_prompt=False), optim=OptimConfig(lr=0.0))
     assert lm[0]["response_tokens"] > history[0]["response_tokens"]  # the prompt tokens count too
+
+
+class _LongContextPolicy:
+    """What packing reads of an HFPolicy whose context length is max_position_embeddings."""
+
+    context_length = 32768
+    eos_id, pad_id = 1, 1
+
+    def encode(self, text):
+        return [2 + ord(c) % 100 for c in text]
+
+
+def test_packed_sft_default_window_fits_the_pairs_not_a_huge_context():
+    from scratchlm.align.sft import packed_sft_dataset
+
+    policy = _LongContextPolicy()
+    pairs = [("Q: 2+3?" * 3, " 5" * 20), ("Q: 1+1?", " 2"), ("x" * 50, "y" * 80)]  # longest: 50 + 80 + EOS = 131
+    data = packed_sft_dataset(policy, pairs, sft=SFTConfig(packed=True))
+    assert data.context_length == 192
+    x, y, mask = data.batch([0])
+    assert x.shape == (1, 192)
+    # An explicit pack_length wins, and is still checked against the context length.
+    assert packed_sft_dataset(policy, pairs, sft=SFTConfig(packed=True, pack_length=100)).context_length == 100
+    with pytest.raises(UserError, match="exceeds the model's context length"):
+        packed_sft_dataset(policy, pairs, sft=SFTConfig(packed=True, pack_length=40000))
+    # A model whose context is shorter than the longest pair keeps its context length.
+    policy.context_length = 96
+    assert packed_sft_dataset(policy, pairs, sft=SFTConfig(packed=True)).context_length == 96

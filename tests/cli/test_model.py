@@ -60,3 +60,30 @@ def test_account_command_errors(tmp_path):
         account_command([str(tmp_path / "missing.toml")])
     with pytest.raises(UserError):
         account_command([str(tmp_path)])  # a directory without config.toml
+
+
+def test_account_command_counts_the_optimizers_state(tmp_path, capsys):
+    from scratchlm.model.accounting import train_memory_bytes
+
+    cfg = ModelConfig(**GPT2_XL)
+    assert account_command([*_gpt2_xl_args(), "--optim.name=muon", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "muon"
+    assert out["train_memory_bytes"]["static"] == train_memory_bytes(cfg, "muon")["static"] < 34_032_921_600
+    # A train config's optim.name, for a full config and a run directory; a bare [model] table is AdamW's.
+    full = tmp_path / "train.toml"
+    full.write_text("[model]\nd_model = 128\nnum_heads = 4\n[optim]\nname = \"muon\"\n")
+    bare = tmp_path / "model.toml"
+    bare.write_text("d_model = 128\nnum_heads = 4\n")
+    small = ModelConfig(d_model=128, num_heads=4)
+    for source, name in ((full, "muon"), (bare, "adamw")):
+        assert account_command([str(source), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["optimizer"] == name
+        assert out["train_memory_bytes"]["static"] == train_memory_bytes(small, name)["static"]
+    assert account_command([str(bare), "--optim.name=muon", "--memory-gib=1"]) == 0
+    assert "static memory (muon," in capsys.readouterr().out
+    with pytest.raises(UserError, match="optim.name"):
+        account_command([str(bare), "--optim.name=sgd"])
+    with pytest.raises(ConfigError):
+        account_command(["--optim.lr=1e-3"])

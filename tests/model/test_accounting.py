@@ -14,6 +14,7 @@ from scratchlm.model.accounting import (
     count_params,
     forward_flops,
     max_batch_size,
+    optimizer_state_bytes,
     param_count,
     train_memory_bytes,
 )
@@ -94,6 +95,48 @@ def test_gpt2_xl_memory_by_hand():
     # 4,089,446,400; SwiGLU 48 · 5·T·F = 1,572,864,000; loss 2·T·V = 102,926,336.
     assert mem["activations_per_sequence"] == 4 * 6_242_011_136
     assert max_batch_size(cfg, 80 * 2**30) == (80 * 2**30 - 34_032_921_600) // (4 * 6_242_011_136)
+
+
+OPTIMIZER_VARIANTS = [
+    dict(),
+    dict(tie_embeddings=True, ffn="relu2"),
+    dict(num_kv_heads=2, qk_norm=True, qkv_bias=True, use_rmsnorm=False),
+    dict(ffn="moe", moe_num_experts=4, moe_top_k=2, moe_shared_experts=1),
+]
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("kwargs", OPTIMIZER_VARIANTS, ids=[str(v) or "default" for v in OPTIMIZER_VARIANTS])
+def test_optimizer_state_matches_a_step_of_the_optimizer(name, kwargs):
+    from scratchlm.optim import build_optimizer
+    from scratchlm.optim.config import OptimConfig
+
+    cfg = ModelConfig(**SMALL, **kwargs)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, OptimConfig(name=name, foreach=False, fused=False))
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    assert optimizer_state_bytes(cfg, name) == state
+    weights_and_grads = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    assert train_memory_bytes(cfg, name)["static"] == weights_and_grads + state
+    assert account(cfg, name)["train_memory_bytes"]["static"] == weights_and_grads + state
+
+
+def test_muon_needs_less_static_memory_than_adamw():
+    # Muon's matrices keep one momentum buffer instead of two moments: 12 bytes each, not 16.
+    from scratchlm.model.accounting import muon_param_count
+
+    cfg = ModelConfig(**GPT2_XL)
+    adamw, muon = train_memory_bytes(cfg)["static"], train_memory_bytes(cfg, "muon")["static"]
+    assert adamw - muon == 4 * muon_param_count(cfg) == 4 * (491_520_000 + 1_474_560_000)
+    assert max_batch_size(cfg, 80 * 2**30, "muon") >= max_batch_size(cfg, 80 * 2**30)
+    with pytest.raises(ValueError, match="optimizer"):
+        optimizer_state_bytes(cfg, "sgd")
 
 
 @pytest.mark.parametrize("kwargs", VARIANTS, ids=[str(v) or "default" for v in VARIANTS])

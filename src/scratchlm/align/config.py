@@ -66,7 +66,10 @@ class SFTConfig:
     normalize_constant: float = 0.0  # 0: mean NLL per response token; >0: sum / constant per sequence
     log_every: int = 10  # optimizer steps between metric lines
     packed: bool = False  # pack the pairs end to end (EOS between them) into full windows, no padding (packed.py)
-    pack_length: int = 0  # packed: tokens per window input (0 = the model's context length)
+    # packed: tokens per window input; 0 = the longest pair (prompt, response, EOS) rounded up to a
+    # multiple of 64, at most the model's context length (a Hugging Face model's is its largest
+    # position, far longer than SFT pairs need)
+    pack_length: int = 0
     mask_prompt: bool = True  # packed: no loss on prompt tokens; false trains on every token (plain LM)
 
     def __post_init__(self) -> None:

@@ -7,10 +7,11 @@ by 1/grad_accum_steps, see `sft_microbatch_train_step`), clips the global gradie
 follows a cosine learning-rate schedule with linear warm-up.
 
 With ``sft.packed`` the pairs are instead packed end to end, ``prompt response EOS`` after
-one another, into windows of ``sft.pack_length`` tokens (`scratchlm.align.packed`): no
-padding is computed, a microbatch is ``micro_batch_size`` windows, and an epoch is one pass
-over the windows. The last partial window is padded (its padding carries no loss), so no pair
-is lost. ``sft.mask_prompt = false`` puts the loss on every token, as in pretraining.
+one another, into windows of ``sft.pack_length`` tokens (`scratchlm.align.packed`; 0, the
+default, fits the window to the longest pair, see `default_pack_length`): no padding is
+computed, a microbatch is ``micro_batch_size`` windows, and an epoch is one pass over the
+windows. The last partial window is padded (its padding carries no loss), so no pair is lost.
+``sft.mask_prompt = false`` puts the loss on every token, as in pretraining.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from scratchlm.align.policy import autocast_context
 
 LogFn = Callable[[dict[str, Any]], None]
 EvaluateFn = Callable[[int], dict[str, Any]]
+PACK_MULTIPLE = 64  # default packed windows (sft.pack_length = 0) are a whole number of 64-token blocks
 
 
 def recorder(history: list[dict[str, Any]], log: LogFn | None) -> LogFn:
@@ -98,17 +100,39 @@ def encode_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool
     return out
 
 
+def default_pack_length(context_length: int, documents: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """The window of ``sft.pack_length = 0``: the longest ``prompt response EOS`` of `documents`
+    rounded up to a multiple of `PACK_MULTIPLE`, or `context_length` when that is smaller.
+
+    The context length alone is no measure of the data: a Hugging Face policy reports
+    ``max_position_embeddings`` (4096 to 32768 for Qwen2 models), and windows that long for
+    pairs of a few hundred tokens only multiply the activation memory of a microbatch. A window
+    fitted to the longest pair holds any pair whole when it starts one, and a packed microbatch
+    needs about the memory of a padded one holding that pair. Whole 64-token blocks keep the
+    shapes friendly to the matmul kernels.
+
+    >>> default_pack_length(32768, [([1] * 10, [2] * 60), ([1], [2])])
+    128
+    >>> default_pack_length(100, [([1] * 10, [2] * 200)])
+    100
+    """
+    longest = max((len(prompt) + len(response) + 1 for prompt, response in documents), default=1)
+    return min(context_length, -(-longest // PACK_MULTIPLE) * PACK_MULTIPLE)
+
+
 def packed_sft_dataset(policy: Any, pairs: Sequence[tuple[str, str]], *, sft: SFTConfig, seed: int = 0):
-    """The pairs as a `PackedDataset` of windows of ``sft.pack_length`` tokens (the last one padded)."""
+    """The pairs as a `PackedDataset` of windows of ``sft.pack_length`` tokens (the last one padded);
+    ``sft.pack_length = 0`` fits the window to the pairs (`default_pack_length`)."""
     from scratchlm.align.packed import PackedDataset
     from scratchlm.errors import UserError
 
     if policy.eos_id is None:
         raise UserError("sft.packed needs a tokenizer with an end-of-text token to put between the pairs")
-    length = sft.pack_length or policy.context_length
-    if length > policy.context_length:
-        raise UserError(f"sft.pack_length={length} exceeds the model's context length {policy.context_length}")
+    if sft.pack_length > policy.context_length:
+        raise UserError(f"sft.pack_length={sft.pack_length} exceeds the model's context length "
+                        f"{policy.context_length}")
     documents = [(policy.encode(prompt), policy.encode(response)) for prompt, response in pairs]
+    length = sft.pack_length or default_pack_length(policy.context_length, documents)
     return PackedDataset(documents, context_length=length, eos_id=policy.eos_id, mask_prompt=sft.mask_prompt,
                          pad_last=True, pad_id=policy.pad_id, seed=seed)
 

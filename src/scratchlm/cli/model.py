@@ -20,8 +20,15 @@ _TRAIN_SECTIONS = {"model", "data", "optim", "trainer", "parallel"}
 def load_model_config(config: str | None, overrides: list[str]) -> Any:
     """ModelConfig from a preset (a full train config or a bare [model] table), a run or step
     directory (its ``config.toml``), or the defaults; then ``--model.key=value`` overrides."""
-    from scratchlm.config import ConfigError, load_config, resolve_preset
+    return load_account_config(config, overrides)[0]
+
+
+def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, str]:
+    """(ModelConfig, optimizer name) as `load_model_config` finds them: the optimizer is the
+    config's ``optim.name`` ("adamw" for a bare [model] table), then ``--optim.name=NAME``."""
+    from scratchlm.config import ConfigError, load_config, parse_override, resolve_preset
     from scratchlm.model.config import ModelConfig
+    from scratchlm.optim.config import OptimConfig
 
     preset: Path | None = None
     if config is not None:
@@ -31,9 +38,11 @@ def load_model_config(config: str | None, overrides: list[str]) -> Any:
                 raise UserError(f"{path} is a directory without a config.toml")
             path = path / "config.toml"
         preset = resolve_preset(path)
+    optimizer_overrides = [text for text in overrides if text.split("=", 1)[0] == "--optim.name"]
     for text in overrides:
-        if not text.startswith("--model."):
-            raise ConfigError(f"override {text.split('=', 1)[0]!r}: account only reads --model.* keys")
+        if not text.startswith("--model.") and text not in optimizer_overrides:
+            raise ConfigError(f"override {text.split('=', 1)[0]!r}: account only reads --model.* keys "
+                              f"and --optim.name")
     data: dict[str, Any] = {}
     if preset is not None:
         try:
@@ -43,10 +52,12 @@ def load_model_config(config: str | None, overrides: list[str]) -> Any:
     if not data or set(data) & _TRAIN_SECTIONS:
         from scratchlm.train.config import TrainConfig
 
-        return load_config(TrainConfig, preset, overrides).model
+        train = load_config(TrainConfig, preset, overrides)
+        return train.model, train.optim.name
     # A file holding only the model's keys.
-    bare = [f"--{text[len('--model.'):]}" for text in overrides]
-    return load_config(ModelConfig, preset, bare)
+    bare = [f"--{text[len('--model.'):]}" for text in overrides if text not in optimizer_overrides]
+    optim = load_config(OptimConfig, None, [f"--name={parse_override(text)[1]}" for text in optimizer_overrides])
+    return load_config(ModelConfig, preset, bare), optim.name
 
 
 def _si(n: float, unit: str = "") -> str:
@@ -88,7 +99,9 @@ def format_report(cfg: Any, report: dict[str, Any]) -> str:
                  _si(report["forward_flops_per_token"], "FLOP")))
     rows.append(("train FLOPs / token (3x)", f"{report['train_flops_per_token']:,}",
                  _si(report["train_flops_per_token"], "FLOP")))
-    rows.append(("static memory (16 B/param)", f"{m['static']:,}", _gib(m["static"])))
+    per_param = m["static"] / p["total"]
+    rows.append((f"static memory ({report['optimizer']}, {per_param:.3g} B/param)", f"{m['static']:,}",
+                 _gib(m["static"])))
     rows.append(("activations / sequence (fp32)", f"{m['activations_per_sequence']:,}",
                  _gib(m["activations_per_sequence"])))
     if "max_batch_size" in report:
@@ -101,7 +114,7 @@ def format_report(cfg: Any, report: dict[str, Any]) -> str:
 
 
 def account_command(argv: list[str]) -> int:
-    """`scratchlm account [CONFIG] [--model.key=value ...] [--json] [--memory-gib N]`."""
+    """`scratchlm account [CONFIG] [--model.key=value ...] [--optim.name=NAME] [--json] [--memory-gib N]`."""
     from scratchlm.config import split_overrides
     from scratchlm.model.accounting import account, max_batch_size
 
@@ -109,18 +122,19 @@ def account_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="scratchlm account",
         description="Parameters, forward FLOPs and training memory of a model shape. "
-        "Override the shape with --model.key=value (e.g. --model.d_model=768).",
+        "Override the shape with --model.key=value (e.g. --model.d_model=768), and the optimizer "
+        "whose state the memory counts with --optim.name=adamw|muon (default: the config's).",
     )
     parser.add_argument("config", nargs="?", help="preset name or TOML file, or a run/step directory")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="also report the largest fp32 batch that fits in this much memory")
     args = parser.parse_args(positional)
-    cfg = load_model_config(args.config, overrides)
-    report = account(cfg)
+    cfg, optimizer = load_account_config(args.config, overrides)
+    report = account(cfg, optimizer)
     if args.memory_gib is not None:
         report["memory_budget_gib"] = args.memory_gib
-        report["max_batch_size"] = max_batch_size(cfg, int(args.memory_gib * 2**30))
+        report["max_batch_size"] = max_batch_size(cfg, int(args.memory_gib * 2**30), optimizer)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -47,6 +47,10 @@ from typing import Any
 FP32_BYTES = 4
 # fp32 weights + fp32 gradients + AdamW's two fp32 moments.
 STATIC_BYTES_PER_PARAM = 16
+# The optimizers of `optim.name` (scratchlm.optim.config.OPTIMIZER_NAMES) and the fp32 state each
+# keeps per parameter it steps: AdamW two moments; Muon one momentum buffer, for the blocks'
+# matrices only (the other parameters take AdamW steps inside the same optimizer).
+OPTIMIZER_STATES = {"adamw": 2, "muon": 1}
 # Forward passes' worth of matmul FLOPs in a training step: the backward pass computes the
 # gradients of both operands of every matmul, twice the forward's work.
 TRAIN_FORWARDS = 3
@@ -326,25 +330,53 @@ def kv_cache_bytes(cfg: Any, seq_len: int | None = None, batch_size: int = 1, by
     return 2 * cfg.num_layers * batch_size * T * attention_shape(cfg)["kv_dim"] * bytes_per_element
 
 
-def train_memory_bytes(cfg: Any) -> dict[str, int]:
-    """Training memory: ``static`` (16 bytes/param: fp32 weights, grads, AdamW m and v) and
-    ``activations_per_sequence`` (fp32, one sequence of context_length; see
-    ``activation_bytes_per_sequence`` for the tensors counted)."""
+def muon_param_count(cfg: Any) -> int:
+    """Parameters that ``optim.name = "muon"`` steps with Muon: the 2-D matrices of the blocks
+    (`scratchlm.optim.muon.is_muon_param`), that is q, k, v and output of attention, the FFN's
+    matrices, and for MoE the router and the shared experts. The 3-D expert stacks, biases, norm
+    gains, the embedding and lm_head take AdamW steps."""
+    D, F, L = cfg.d_model, cfg.d_ff, cfg.num_layers
+    attention = 2 * D * D + 2 * D * attention_shape(cfg)["kv_dim"]
+    if cfg.ffn == "moe":
+        moe = moe_shape(cfg)
+        ffn = D * moe["num_experts"] + moe["shared"] * 3 * D * F
+    else:
+        ffn = _ffn_params(cfg)["total"]
+    return L * (attention + ffn)
+
+
+def optimizer_state_bytes(cfg: Any, optimizer: str = "adamw") -> int:
+    """Bytes of fp32 optimizer state after the first step: AdamW's two moments per parameter
+    (8 bytes); Muon's one momentum buffer per parameter of its matrices (4 bytes, see
+    `muon_param_count`) and AdamW's two moments for the rest. Step counters are not counted."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    total = param_count(cfg)
+    own = muon_param_count(cfg) if optimizer == "muon" else total
+    return FP32_BYTES * (OPTIMIZER_STATES[optimizer] * own + OPTIMIZER_STATES["adamw"] * (total - own))
+
+
+def train_memory_bytes(cfg: Any, optimizer: str = "adamw") -> dict[str, int]:
+    """Training memory: ``static`` (fp32 weights and grads, and the optimizer's state: 16
+    bytes/param with AdamW's m and v, less with Muon's single momentum, see
+    `optimizer_state_bytes`) and ``activations_per_sequence`` (fp32, one sequence of
+    context_length; see ``activation_bytes_per_sequence`` for the tensors counted)."""
     return {
-        "static": STATIC_BYTES_PER_PARAM * param_count(cfg),
+        "static": 2 * FP32_BYTES * param_count(cfg) + optimizer_state_bytes(cfg, optimizer),
         "activations_per_sequence": activation_bytes_per_sequence(cfg)["total"],
     }
 
 
-def max_batch_size(cfg: Any, memory_bytes: int) -> int:
+def max_batch_size(cfg: Any, memory_bytes: int, optimizer: str = "adamw") -> int:
     """Largest fp32 batch of context_length sequences whose static + activation memory fits."""
-    mem = train_memory_bytes(cfg)
+    mem = train_memory_bytes(cfg, optimizer)
     free = memory_bytes - mem["static"]
     return max(0, free // mem["activations_per_sequence"])
 
 
-def account(cfg: Any) -> dict[str, Any]:
-    """The full report of `scratchlm account`: params, FLOPs and memory of one config.
+def account(cfg: Any, optimizer: str = "adamw") -> dict[str, Any]:
+    """The full report of `scratchlm account`: params, FLOPs and memory of one config, trained
+    with `optimizer` (``optim.name``: "adamw" or "muon").
 
     The top-level keys ``params``, ``forward_flops``, ``forward_flops_breakdown`` and
     ``train_memory_bytes`` are a stable interface; the rest is informative.
@@ -356,7 +388,9 @@ def account(cfg: Any) -> dict[str, Any]:
         "params": params["total"],
         "forward_flops": flops["total"],
         "forward_flops_breakdown": breakdown,
-        "train_memory_bytes": train_memory_bytes(cfg),
+        "train_memory_bytes": train_memory_bytes(cfg, optimizer),
+        "optimizer": optimizer,
+        "optimizer_state_bytes": optimizer_state_bytes(cfg, optimizer),
         "params_breakdown": params,
         "context_length": cfg.context_length,
         "forward_flops_per_token": flops["total"] // cfg.context_length,
