@@ -7,6 +7,7 @@ import torch
 
 from scratchlm.align.policy import HFPolicy, ScratchPolicy, is_hf_directory, load_policy
 from scratchlm.errors import UserError
+from tests.char_tokenizer import CharTokenizer
 
 PROMPTS = ["Start with 3. Add 4. What is the result?", "Start with 12. Times 2, then add 1."]
 
@@ -128,20 +129,6 @@ def test_scratch_completions_carry_the_generated_ids(tiny_policy):
     assert [c.token_ids for c in out] == ids
 
 
-class _CharTokenizer:
-    """Just what HFPolicy uses of a tokenizer: one id per character (ids 1..), eos 0."""
-
-    eos_token_id = pad_token_id = 0
-    eos_token = "<eos>"
-    padding_side = "left"
-
-    def encode(self, text, add_special_tokens=False):
-        return [1 + ord(c) % 40 for c in text]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join("|" if i == 0 else chr(ord("a") + i % 26) for i in ids)
-
-
 def _written_elements(fn):
     """Elements that tensor copies (copy_, clone, to, stack, cat) write while `fn` runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -173,8 +160,8 @@ def test_hf_policy_refreshes_the_engine_twin_with_one_copy_at_most(tmp_path):
     with torch.no_grad():
         hf.lm_head.weight.mul_(8)
     prompts = ["hello there", "x", "a longer prompt of text"]
-    policy = HFPolicy(hf, _CharTokenizer())
-    reference = HFPolicy(hf, _CharTokenizer(), use_engine=False)
+    policy = HFPolicy(hf, CharTokenizer())
+    reference = HFPolicy(hf, CharTokenizer(), use_engine=False)
 
     def same_as_reference():
         ours = [c.token_ids for c in policy.generate(prompts, max_new_tokens=12, temperature=0.0)]

@@ -6,6 +6,7 @@ import torch
 from scratchlm.infer.engine import DecodeEngine, batch_buckets
 from scratchlm.infer.generate import generate
 from scratchlm.model.transformer import TransformerLM
+from tests.char_tokenizer import CharTokenizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,20 +117,6 @@ def test_cuda_graph_engine_matches_dynamic(compile):
     assert sampled == generate(m, prompts, 40, temperature=1.0, top_p=0.9, seed=1, compile=compile)
 
 
-class _CharTokenizer:
-    """Just what HFPolicy uses of a tokenizer: one id per character (ids 1..), eos 0."""
-
-    eos_token_id = pad_token_id = 0
-    eos_token = "<eos>"
-    padding_side = "left"
-
-    def encode(self, text, add_special_tokens=False):
-        return [1 + ord(c) % 40 for c in text]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join("|" if i == 0 else chr(ord("a") + i % 26) for i in ids)
-
-
 def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
     transformers = pytest.importorskip("transformers")
     from scratchlm.align.policy import HFPolicy
@@ -142,8 +129,8 @@ def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
     with torch.no_grad():
         hf.lm_head.weight.mul_(8)
     prompts = ["hello there", "x", "a longer prompt of text"]
-    engine = HFPolicy(hf, _CharTokenizer())
-    reference = HFPolicy(hf, _CharTokenizer(), use_engine=False)
+    engine = HFPolicy(hf, CharTokenizer())
+    reference = HFPolicy(hf, CharTokenizer(), use_engine=False)
     ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
     assert engine._twin not in (None, False)  # the engine path was taken
     theirs = reference.generate(prompts, max_new_tokens=12, temperature=0.0)
@@ -232,12 +219,12 @@ def test_hf_qwen2_greedy_generate_equals_the_engine():
             hf.model.norm.weight.mul_(2)  # confident argmaxes
             hf.lm_head.weight[0] -= 3  # (tied: also the embedding of) eos, rarer: longer completions
         prompts = ["hello there", "x", "a longer prompt of text"]
-        engine = HFPolicy(hf, _CharTokenizer())
+        engine = HFPolicy(hf, CharTokenizer())
         ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
         twin = engine._twin
         assert twin not in (None, False)  # the engine path was taken
         assert (twin[1].qkv_bias, twin[1].num_kv_heads, twin[1].sliding_window) == (True, 2, window)
-        theirs = HFPolicy(hf, _CharTokenizer(), use_engine=False).generate(prompts, max_new_tokens=12,
+        theirs = HFPolicy(hf, CharTokenizer(), use_engine=False).generate(prompts, max_new_tokens=12,
                                                                             temperature=0.0)
         assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
         assert len({tuple(c.token_ids) for c in ours}) > 1
