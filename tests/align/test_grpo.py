@@ -130,3 +130,7 @@ def test_rollout_ids_are_the_sampled_ones():
     ids, retokenized = rollout_response_ids(policy, completions)
     assert ids == [[1, 2, 3, 0], [5, 3, 0], [1, 2], [5, 3, 0], [0]]
     assert retokenized == pytest.approx(2 / 5)
+    calls, encode = [], policy.encode
+    policy.encode = lambda text: calls.append(text) or encode(text)
+    assert rollout_response_ids(policy, completions) == (ids, retokenized)
+    assert sorted(calls) == ["", "70", "70 </answer>"]  # each distinct text encoded once

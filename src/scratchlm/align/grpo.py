@@ -164,6 +164,17 @@ def grpo_microbatch_train_step(
     return loss.detach(), out
 
 
+def _memo(encode: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+    """`encode` remembering its results for the texts of one batch (each call returns a new list)."""
+    seen: dict[str, list[int]] = {}
+
+    def cached(text: str) -> list[int]:
+        if text not in seen:
+            seen[text] = encode(text)
+        return list(seen[text])
+    return cached
+
+
 def rollout_response_ids(policy: Any, completions: Sequence[Any]) -> tuple[list[list[int]], float]:
     """The token ids to train on for each completion, and the fraction whose text re-encodes
     to other ids than those sampled.
@@ -176,8 +187,9 @@ def rollout_response_ids(policy: Any, completions: Sequence[Any]) -> tuple[list[
     """
     end = [policy.eos_id] if policy.eos_id is not None else [policy.pad_id]
     out, differ = [], 0
+    encode = _memo(policy.encode)  # a group's responses often repeat one another
     for c in completions:
-        encoded = policy.encode(c.text)
+        encoded = encode(c.text)
         ids = encoded if c.token_ids is None else list(c.token_ids)
         if ids and ids[-1] == policy.eos_id and policy.eos_id is not None:
             body = ids[:-1]
@@ -240,7 +252,8 @@ def score_rollouts(rollouts: Rollouts, reward_fn: RewardFn, grpo: GRPOConfig) ->
 def rollout_batch(policy: Any, rollouts: Rollouts) -> tuple[dict[str, Tensor], float]:
     """The rollouts as a training batch on the policy's device (input_ids, labels, response_mask,
     each (N, T)), cut to the context, and the fraction of responses that re-encode differently."""
-    prompt_ids = [policy.encode(p) for p in rollouts.prompts]
+    encode = _memo(policy.encode)  # each prompt comes group_size times
+    prompt_ids = [encode(p) for p in rollouts.prompts]
     response_ids, retokenized = rollout_response_ids(policy, rollouts.completions)
     limit = policy.context_length + 1
     response_ids = [r[: max(limit - len(p), 1)] for p, r in zip(prompt_ids, response_ids)]

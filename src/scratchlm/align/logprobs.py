@@ -27,13 +27,13 @@ def tokenize_prompt_and_output(
     """
     if len(prompt_ids) != len(output_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(output_ids)} outputs")
-    rows = [list(p) + list(o) for p, o in zip(prompt_ids, output_ids)]
+    rows = [[*p, *o] for p, o in zip(prompt_ids, output_ids)]
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for b, (p, r) in enumerate(zip(prompt_ids, rows)):
-        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[b, len(p) : len(r)] = True
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+    starts = torch.tensor([len(p) for p in prompt_ids])[:, None]
+    ends = torch.tensor([len(r) for r in rows])[:, None]
+    t = torch.arange(width)
+    mask = (t >= starts) & (t < ends)
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "response_mask": mask[:, 1:]}
 
 
