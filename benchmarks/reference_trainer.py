@@ -127,21 +127,6 @@ def main(argv=None) -> None:
     def batch(tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return window_batch(tokens, starts, T, device)
 
-    @torch.no_grad()
-    def evaluate() -> float:
-        model.eval()
-        losses = []
-        for i in range(args.eval_batches):
-            starts = np.arange(i * B, (i + 1) * B) * T
-            if starts[-1] + T + 1 > len(val):
-                break
-            x, y = batch(val, starts)
-            with autocast:
-                logits = step_model(x)
-            losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1)).item())
-        model.train()
-        return sum(losses) / len(losses)
-
     log = (out / "metrics.jsonl").open("w")
     if args.time_budget_s > 0:
         train_for_time(args, model, step_model, opt, train, val, device, log, out)
@@ -153,7 +138,7 @@ def main(argv=None) -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
             train_seconds += time.perf_counter() - t0
-            val_loss = evaluate()
+            val_loss = evaluate_windows(model, val, B, T, device, args.eval_batches * B)
             log.write(json.dumps({"event": "eval", "step": step, "val_loss": val_loss, "tokens": tokens_seen,
                                   "train_seconds": train_seconds}) + "\n")
             log.flush()
