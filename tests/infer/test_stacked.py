@@ -96,3 +96,17 @@ def test_only_plain_projections_stack():
     cache = StaticKVCache.for_model(model, 1, 8, device="cpu")
     view = DecodeView(cache, torch.tensor([0]), 8)
     assert view.stacked(0, "qkv") is None  # no copy set on the cache: the model's own projections
+
+
+def test_no_copy_where_it_would_crowd_the_gpu(monkeypatch):
+    model = _model()
+    projections = StackedProjections.for_model(model)
+    need = projections.nbytes()
+    assert need == sum(p.numel() * 4 for n, p in model.named_parameters()
+                       if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "w1", "w3"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * need, 8 * need))
+    assert projections.fits(cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * need - 1, 8 * need))
+    assert not projections.fits(cuda)
+    assert projections.fits(torch.device("cpu"))

@@ -68,7 +68,8 @@ class DecodeEngine:
     `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `stack_projections` (default)
     keeps each layer's q|k|v and w1|w3 weights as one matrix each, refreshed from the model at
     every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a step, for a copy of those
-    weights in memory (in the autocast dtype under autocast).
+    weights in memory (in the autocast dtype under autocast), made only where it takes at most a
+    quarter of the GPU memory free when the engine is built.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
@@ -85,7 +86,7 @@ class DecodeEngine:
         self.cache = StaticKVCache.for_model(model, slots, max_len, device=self.device)
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
-            self.cache.projections = projections if len(projections) else None
+            self.cache.projections = projections if len(projections) and projections.fits(self.device) else None
         self._forward = self._decode_logits
         if compile and cuda:
             self._forward = torch.compile(self._decode_logits, dynamic=True)

@@ -59,6 +59,19 @@ class StackedProjections:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def nbytes(self) -> int:
+        """Bytes the stacked copies take in the weights' own dtype (under autocast, to bf16, half that
+        for a float32 model)."""
+        return sum(m.weight.numel() * m.weight.element_size() for mods in self.groups.values() for m in mods)
+
+    def fits(self, device: torch.device, share: float = 0.25) -> bool:
+        """Whether the copies take at most `share` of the device memory free now (always on the CPU):
+        a large model near the limit of its GPU decodes without them rather than run out of memory."""
+        if device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(device)
+        return self.nbytes() <= share * free
+
     @torch.no_grad()
     def refresh(self, dtype: torch.dtype | None = None) -> bool:
         """Copy the current weights in (cast to `dtype` if given). Returns True when buffers were
