@@ -201,14 +201,27 @@ def rollout_response_ids(policy: Any, completions: Sequence[Any]) -> tuple[list[
     return out, differ / max(len(completions), 1)
 
 
-def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int) -> Tensor:
+def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int, log_probs=response_log_probs) -> Tensor:
     """Log-probs (N, T) of a whole rollout batch without gradients, `micro` rows at a time."""
     parts = []
     with torch.no_grad(), autocast_context(policy.device):
         for s in range(0, batch["input_ids"].shape[0], micro):
-            parts.append(response_log_probs(policy.model, batch["input_ids"][s:s + micro],
-                                            batch["labels"][s:s + micro])["log_probs"].float())
+            parts.append(log_probs(policy.model, batch["input_ids"][s:s + micro],
+                                   batch["labels"][s:s + micro])["log_probs"].float())
     return torch.cat(parts)
+
+
+_compiled_log_probs = None
+
+
+def log_probs_fn(compile: bool):
+    """`response_log_probs`, or one torch.compile of it (dynamic shapes) shared by every call."""
+    global _compiled_log_probs
+    if not compile:
+        return response_log_probs
+    if _compiled_log_probs is None:
+        _compiled_log_probs = torch.compile(response_log_probs, dynamic=True)
+    return _compiled_log_probs
 
 
 @dataclass
@@ -287,7 +300,8 @@ def update_policy(
     micro = grpo.train_batch_size // grpo.grad_accum_steps
     steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
     model.train()
-    old = _sequence_log_probs(policy, batch, micro) if grpo.loss_type == "grpo_clip" else None
+    log_probs = log_probs_fn(grpo.compile)
+    old = _sequence_log_probs(policy, batch, micro, log_probs) if grpo.loss_type == "grpo_clip" else None
     sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
     n_updates = 0
     for _ in range(grpo.epochs_per_rollout_batch):
@@ -296,7 +310,8 @@ def update_policy(
             rows = order[b * grpo.train_batch_size:(b + 1) * grpo.train_batch_size]
             for m in range(grpo.grad_accum_steps):
                 idx = rows[m * micro:(m + 1) * micro].to(policy.device)
-                _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums)
+                _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums,
+                                     log_probs)
             lr = learning_rate(first_update + n_updates, total_updates, optim)
             sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
             n_updates += 1
@@ -314,14 +329,15 @@ def _microbatch_backward(
     grpo: GRPOConfig,
     normalize_constant: float,
     sums: dict[str, float],
+    log_probs=response_log_probs,
 ) -> None:
     """Forward and backward the rows `idx` of the batch; add their loss, entropy and clip fraction to `sums`."""
     mask = batch["response_mask"][idx]
     width = int(mask.any(dim=0).nonzero().max()) + 1  # drop columns that are padding in every row
     mask = mask[:, :width]
     with autocast_context(idx.device):
-        out = response_log_probs(model, batch["input_ids"][idx, :width], batch["labels"][idx, :width],
-                                 return_token_entropy=True)
+        out = log_probs(model, batch["input_ids"][idx, :width], batch["labels"][idx, :width],
+                        return_token_entropy=True)
     loss, meta = grpo_microbatch_train_step(
         out["log_probs"], mask, grpo.grad_accum_steps, grpo.loss_type,
         raw_rewards=raw_rewards[idx], advantages=advantages[idx],
