@@ -106,6 +106,26 @@ SCALES = {
               "sampling.eval_max_new_tokens": 16, "sampling.batch_size": 8, "run.progress": False},
         eval_limit=6, eval_max_new_tokens=16, eval_batch_size=8, threads=1,
     ),
+    # One GPU, ~15 minutes in all: the full recipe cut to fit a short GPU slot. The first 100 MB
+    # of train_00 (so a copy of just that prefix, about 31 MB compressed, is all the books it
+    # reads), a third of the pretraining steps, two epochs of SFT, five minutes of GRPO.
+    "short": Scale(
+        book_files=["train_00.txt.zst"], books_mb=100, valid_mb=0, gsm8k_limit=0, math_limit=0, math_repeat=4,
+        tokenizer_sample_mb=64, vocab_size=16384,
+        pretrain={"trainer.progress": False, "trainer.max_steps": 1500, "optim.warmup_steps": 100,
+                  "trainer.eval_interval": 250, "trainer.checkpoint_interval": 250},
+        sft={"data.eval_limit": 200, "data.reward": "r1_zero", "sft.micro_batch_size": 32, "sft.grad_accum_steps": 2,
+             "sft.num_epochs": 2.0, "sft.log_every": 10, "optim.lr": 3e-4, "optim.warmup_steps": 20,
+             "optim.min_lr_ratio": 0.1, "sampling.batch_size": 256, "sampling.eval_max_new_tokens": 384,
+             "run.progress": False},
+        grpo={"data.eval_limit": 200, "data.reward": "r1_zero", "grpo.n_grpo_steps": 400,
+              "grpo.rollout_batch_size": 256, "grpo.group_size": 8, "grpo.train_batch_size": 256,
+              "grpo.grad_accum_steps": 8, "grpo.eval_every": 25, "grpo.max_seconds": 300.0, "optim.lr": 3e-5,
+              "optim.warmup_steps": 10, "optim.min_lr_ratio": 1.0, "sampling.temperature": 1.0,
+              "sampling.max_new_tokens": 384, "sampling.eval_max_new_tokens": 384, "sampling.batch_size": 256,
+              "run.progress": False},
+        eval_limit=0, eval_max_new_tokens=384, eval_batch_size=256,
+    ),
     # One GPU (H100/H200): ~40 minutes in all, about 15 of them pretraining (configs/math-lm.toml).
     "full": Scale(
         book_files=["train_00.txt.zst", "train_01.txt.zst"], books_mb=0, valid_mb=0, gsm8k_limit=0,

@@ -169,7 +169,7 @@ def test_tiny_scale_as_documented(mm, shared_data, tmp_path):
     assert {s["total"] for s in results["gsm8k_test"].values()} == {mm.SCALES["tiny"].eval_limit}
 
 
-@pytest.mark.parametrize("scale", ["tiny", "full"])
+@pytest.mark.parametrize("scale", ["tiny", "short", "full"])
 def test_every_scale_gives_commands_their_configs_accept(mm, scale):
     """The full scale never runs on a CPU: its settings are checked against the commands' configs here."""
     from scratchlm.align.config import GRPORunConfig, SFTRunConfig
