@@ -198,13 +198,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, _OverrideText):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value)
+        if number is not None and number == number:  # NaN is no setting: it passes every `< 0` check
+            return number
         raise ConfigError(f"{key} must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
