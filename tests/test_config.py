@@ -126,3 +126,11 @@ def test_nan_is_not_a_number_setting(tmp_path, text):
     with pytest.raises(ConfigError, match="optim.lr must be a number"):
         load_config(TrainConfig, None, [f"--optim.lr={text}"])
     assert load_config(Outer, None, ["--inner.rate=inf"]).inner.rate == float("inf")
+
+
+def test_config_file_that_is_not_utf8_text(tmp_path):
+    # A token file or a Latin-1 file given where a TOML config belongs.
+    binary = tmp_path / "train.bin"
+    binary.write_bytes(b"\x9d\x00\x01\x02[model]\n")
+    with pytest.raises(ConfigError, match=r"train.bin: not a TOML config \(byte 0x9d at offset 0"):
+        load_config(TrainConfig, binary)

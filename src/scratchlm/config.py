@@ -92,15 +92,22 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return parts, value
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The table of a TOML file; a file that is not UTF-8 TOML is a `ConfigError` naming it."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a TOML config (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start} is not UTF-8 text)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load_config(cls: type[T], preset: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build ``cls`` from its defaults, a TOML preset, then dotted overrides, in that order."""
     data: dict[str, Any] = {}
     if preset is not None:
-        path = resolve_preset(preset)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        data = read_toml(resolve_preset(preset))
     for text in overrides:
         parts, raw = parse_override(text)
         node = data

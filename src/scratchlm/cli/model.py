@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ def load_model_config(config: str | None, overrides: list[str]) -> Any:
 def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, str]:
     """(ModelConfig, optimizer name) as `load_model_config` finds them: the optimizer is the
     config's ``optim.name`` ("adamw" for a bare [model] table), then ``--optim.name=NAME``."""
-    from scratchlm.config import ConfigError, load_config, parse_override, resolve_preset
+    from scratchlm.config import ConfigError, load_config, parse_override, read_toml, resolve_preset
     from scratchlm.model.config import ModelConfig
     from scratchlm.optim.config import OptimConfig
 
@@ -45,10 +44,7 @@ def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, 
                               f"and --optim.name")
     data: dict[str, Any] = {}
     if preset is not None:
-        try:
-            data = tomllib.loads(preset.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{preset}: invalid TOML: {exc}") from None
+        data = read_toml(preset)
     if not data or set(data) & _TRAIN_SECTIONS:
         from scratchlm.train.config import TrainConfig
 
