@@ -97,3 +97,9 @@ def test_account_command_config_that_is_not_utf8(tmp_path, capsys):
     assert main(["account", str(latin1)]) == 2
     err = capsys.readouterr().err.strip()
     assert "model.toml: not a TOML config" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_account_memory_gib_must_be_positive(value):
+    with pytest.raises(UserError, match="--memory-gib must be a positive number"):
+        account_command(["--memory-gib", value])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,8 @@ def account_command(argv: list[str]) -> int:
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="also report the largest fp32 batch that fits in this much memory")
     args = parser.parse_args(positional)
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        raise UserError(f"--memory-gib must be a positive number of GiB, got {args.memory_gib}")
     cfg, optimizer = load_account_config(args.config, overrides)
     report = account(cfg, optimizer)
     if args.memory_gib is not None:
