@@ -158,6 +158,9 @@ def export_command(argv: list[str]) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
+    if (out / "model.safetensors").is_file() and (out / "config.toml").is_file():
+        raise UserError(f"{out} is a scratchlm checkpoint: exporting into it would replace its weights; "
+                        "choose another output directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"{out} is not empty (pass --overwrite to replace its files)")
     source = Path(args.source)
