@@ -233,6 +233,18 @@ def eval_math_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be positive, got {args.limit}")
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.out:
+        # Checked now, not after the whole evaluation has run.
+        out = Path(args.out)
+        if out.is_dir():
+            raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
+        out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples
     from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl
