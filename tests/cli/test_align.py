@@ -109,3 +109,24 @@ def test_training_commands_grade_with_the_configured_reward(tiny_policy, tmp_pat
     rows = _metrics(out)
     assert rows[0]["eval_format_rate"] == 1.0 and rows[1]["format_reward_mean"] == 1.0
     assert 'reward = "counting"' in (out / "config.toml").read_text()
+
+
+def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    base_files = {p.name: p.read_bytes() for p in (tmp_path / "base").iterdir() if p.is_file()}
+    step = next((tmp_path / "base" / "checkpoints").glob("step_*"))
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "base", step):  # e.g. --run.out_dir set to the policy's own run
+        code = main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     "--sft.max_steps=1", *COMMON])
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert "is a training run or checkpoint" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "base").iterdir() if p.is_file()} == base_files
+    assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={tmp_path / 'file'}",
+                 "--sft.max_steps=1", *COMMON]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    out = tmp_path / "sft"
+    for _ in range(2):  # an earlier result of the same command is rewritten, as before
+        assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]) == 0

@@ -61,6 +61,16 @@ def _require_policy_path(cfg: Any) -> None:
         raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file and a training run's folders."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"run.out_dir {out_dir} exists and is not a directory")
+    if (out_dir / "checkpoints").is_dir() or ((out_dir / "model.safetensors").is_file()
+                                               and (out_dir / "config.toml").is_file()):
+        raise UserError(f"run.out_dir {out_dir} is a training run or checkpoint: its config.toml and "
+                        "metrics.jsonl would be overwritten; choose another run.out_dir")
+
+
 def _start(cfg: Any):
     """Seed, output folder with the resolved config, device and policy."""
     import torch
@@ -72,6 +82,7 @@ def _start(cfg: Any):
     _require_policy_path(cfg)
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
+    _check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
     return load_policy(cfg.policy.path, resolve_device(cfg.policy.device)), out_dir
