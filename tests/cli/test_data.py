@@ -93,3 +93,15 @@ def test_encode_chunk_mb_must_be_positive(tokenizer_dir, tmp_path, capsys, value
     err = capsys.readouterr().err.strip()
     assert "--chunk-mb must be a positive number of MB" in err and "\n" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--retries", "-1"], "--retries must be >= 0"),
+])
+def test_download_checks_timeout_and_retries(tmp_path, capsys, extra, message):
+    assert main(["download", "tinystories-valid", "--out-dir", str(tmp_path), "--mirror", "http://127.0.0.1:9",
+                 "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -78,6 +78,10 @@ def download_command(argv: list[str]) -> int:
         return 0
     if not args.name:
         parser.error("give a dataset NAME or --list")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {args.retries}")
 
     from scratchlm.data.download import download_dataset
 
