@@ -112,3 +112,25 @@ def test_split_overrides():
     pos, ov = split_overrides(["cfg.toml", "--optim.lr=1", "--resume", "--model.d_model", "64"])
     assert pos == ["cfg.toml", "--resume"]
     assert ov == ["--optim.lr=1", "--model.d_model=64"]
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "-nan"])
+def test_nan_is_not_a_number_setting(tmp_path, text):
+    # NaN slips through every range check (`lr < 0` is false) and trains a NaN model without a word.
+    with pytest.raises(ConfigError, match="inner.rate must be a number"):
+        load_config(Outer, None, [f"--inner.rate={text}"])
+    preset = tmp_path / "p.toml"
+    preset.write_text("[inner]\nrate = nan\n")
+    with pytest.raises(ConfigError, match="inner.rate must be a number"):
+        load_config(Outer, preset)
+    with pytest.raises(ConfigError, match="optim.lr must be a number"):
+        load_config(TrainConfig, None, [f"--optim.lr={text}"])
+    assert load_config(Outer, None, ["--inner.rate=inf"]).inner.rate == float("inf")
+
+
+def test_config_file_that_is_not_utf8_text(tmp_path):
+    # A token file or a Latin-1 file given where a TOML config belongs.
+    binary = tmp_path / "train.bin"
+    binary.write_bytes(b"\x9d\x00\x01\x02[model]\n")
+    with pytest.raises(ConfigError, match=r"train.bin: not a TOML config \(byte 0x9d at offset 0"):
+        load_config(TrainConfig, binary)

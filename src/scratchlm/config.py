@@ -92,15 +92,22 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return parts, value
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The table of a TOML file; a file that is not UTF-8 TOML is a `ConfigError` naming it."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a TOML config (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start} is not UTF-8 text)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load_config(cls: type[T], preset: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build ``cls`` from its defaults, a TOML preset, then dotted overrides, in that order."""
     data: dict[str, Any] = {}
     if preset is not None:
-        path = resolve_preset(preset)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        data = read_toml(resolve_preset(preset))
     for text in overrides:
         parts, raw = parse_override(text)
         node = data
@@ -198,13 +205,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, _OverrideText):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value)
+        if number is not None and number == number:  # NaN is no setting: it passes every `< 0` check
+            return number
         raise ConfigError(f"{key} must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -56,3 +56,39 @@ def test_jsonl_path_and_errors(tmp_path):
 def test_arith_dataset_name():
     ex = load_examples("arith:3", "test", limit=5)
     assert len(ex) == 5 and all(e.reasoning.count("=") == 3 for e in ex)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"question": "1+1?", "answer": 2}, r"row 1: answer must be a string, got int"),
+    ({"question": None, "answer": "#### 2"}, r"row 1: question must be a string, got NoneType"),
+    ({"problem": "p", "solution": 7}, r"row 1: solution must be a string, got int"),
+    ({"problem": "p", "solution": "s", "answer": ["2"]}, r"row 1: answer must be a string or a number"),
+    ({"question": "1+1?", "answer": "2"}, r"row 1: a GSM8K answer must end with '#### <number>'"),
+    (5, r"row 1 has neither question/answer"),
+])
+def test_jsonl_rows_of_the_wrong_shape_name_the_file_and_row(tmp_path, row, message):
+    path = tmp_path / "mine.jsonl"
+    good = {"question": "2+2?", "answer": "2+2=4\n#### 4"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=f"mine.jsonl: {message}"):
+        load_examples(str(path))
+
+
+def test_math_row_with_a_numeric_answer(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"problem": "6*7?", "solution": "6*7=42", "answer": 42}) + "\n", encoding="utf-8")
+    assert load_examples(str(path))[0].answer == "42"
+
+
+def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "caf\xe9?", "answer": "#### 1"}\n')
+    with pytest.raises(UserError, match=r"mine.jsonl:2: not UTF-8 text \(byte 0xe9 at column 18\)"):
+        load_examples(str(path))
+
+
+@pytest.mark.parametrize("name, message", [("arith:x", "must be an integer"), ("arith:0", "at least 1"),
+                                           ("arith:-2", "at least 1")])
+def test_arith_difficulty_must_be_a_positive_integer(name, message):
+    with pytest.raises(UserError, match=message):
+        load_examples(name, "test", limit=2)

@@ -232,3 +232,13 @@ def test_arith_pairs_and_hold_out():
     assert len(hold_out(pairs[:3], 0.01)[1]) == 1
     with pytest.raises(UserError, match="integer"):
         load_preference_pairs("arith:x")
+
+
+def test_preference_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "caf\xe9", "chosen": "b", '
+                     b'"rejected": "c"}\n')
+    with pytest.raises(UserError, match=r"pairs.jsonl:2: not UTF-8 text"):
+        load_preference_pairs(str(path))
+    with pytest.raises(UserError, match="at least 1"):
+        load_preference_pairs("arith:0")

@@ -93,3 +93,28 @@ def test_evaluate_policy_takes_a_reward_name():
     assert [r["reward"] for r in records] == [1.0, 0.0]
     records, _ = evaluate_policy(policy, examples, template=t, reward_fn="gsm8k_last_number")
     assert [r["reward"] for r in records] == [0.0, 1.0]
+
+
+def test_eval_math_command_checks_its_options_before_evaluating(tiny_policy, tmp_path, capsys, monkeypatch):
+    import pytest
+
+    from scratchlm.align import evaluate
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("evaluated before the options were checked")
+
+    monkeypatch.setattr(evaluate, "evaluate_policy", no_evaluation)
+    base = ["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--limit", "2", "--device", "cpu"]
+    for extra, message in [(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+                           (["--batch-size", "0"], "--batch-size must be positive"),
+                           (["--temperature", "-1"], "--temperature must be >= 0"),
+                           (["--out", str(tmp_path)], "is a directory; give a file name")]:
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    with pytest.raises(AssertionError, match="evaluated"):  # a good --out in a new folder gets that far
+        main([*base, "--out", str(tmp_path / "new" / "r.jsonl"), "--debug"])
+    assert (tmp_path / "new").is_dir()

@@ -29,6 +29,29 @@ def test_presets_load_with_overrides():
         load_config(GRPORunConfig, "align-grpo", ["--grpo.nope=1"])
 
 
+@pytest.mark.parametrize("cls, preset, override, message", [
+    (SFTRunConfig, "align-sft", "--data.limit=-1", "data.limit must be >= 0"),  # quietly dropped the last row
+    (SFTRunConfig, "align-sft", "--data.eval_limit=-1", "data.eval_limit must be >= 0"),
+    (SFTRunConfig, "align-sft", "--sft.micro_batch_size=0", "sft.micro_batch_size must be >= 1"),
+    (SFTRunConfig, "align-sft", "--sft.grad_accum_steps=0", "sft.grad_accum_steps must be >= 1"),  # loss 0.0
+    (SFTRunConfig, "align-sft", "--sft.num_epochs=-1", "sft.num_epochs must be positive"),
+    (SFTRunConfig, "align-sft", "--sft.max_steps=-1", "sft.max_steps must be >= 0"),
+    (SFTRunConfig, "align-sft", "--sft.log_every=0", "sft.log_every must be >= 1"),
+    (SFTRunConfig, "align-sft", "--sampling.batch_size=0", "sampling.batch_size must be >= 1"),
+    (SFTRunConfig, "align-sft", "--sampling.eval_max_new_tokens=-1", "sampling.eval_max_new_tokens must be >= 0"),
+    (SFTRunConfig, "align-sft", "--sampling.top_p=1.5", "sampling.top_p must be in"),
+    (SFTRunConfig, "align-sft", "--optim.lr=-1", "optim.lr must be >= 0"),
+    (SFTRunConfig, "align-sft", "--optim.warmup_steps=-1", "optim.warmup_steps must be >= 0"),
+    (SFTRunConfig, "align-sft", "--optim.max_grad_norm=-1", "optim.max_grad_norm must be >= 0"),
+    (SFTRunConfig, "align-sft", "--optim.min_lr_ratio=2", "optim.min_lr_ratio must be in"),
+    (GRPORunConfig, "align-grpo", "--grpo.group_size=0", "grpo.group_size must be >= 1"),  # ZeroDivisionError
+    (GRPORunConfig, "align-grpo", "--grpo.grad_accum_steps=0", "grpo.grad_accum_steps must be >= 1"),
+])
+def test_out_of_range_settings_are_config_errors(cls, preset, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, preset, [override])
+
+
 def test_sft_command_writes_metrics_evals_and_policy(tiny_policy, tmp_path):
     tiny_policy.save(tmp_path / "base")
     out = tmp_path / "sft"
@@ -86,3 +109,24 @@ def test_training_commands_grade_with_the_configured_reward(tiny_policy, tmp_pat
     rows = _metrics(out)
     assert rows[0]["eval_format_rate"] == 1.0 and rows[1]["format_reward_mean"] == 1.0
     assert 'reward = "counting"' in (out / "config.toml").read_text()
+
+
+def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    base_files = {p.name: p.read_bytes() for p in (tmp_path / "base").iterdir() if p.is_file()}
+    step = next((tmp_path / "base" / "checkpoints").glob("step_*"))
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "base", step):  # e.g. --run.out_dir set to the policy's own run
+        code = main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     "--sft.max_steps=1", *COMMON])
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert "is a training run or checkpoint" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "base").iterdir() if p.is_file()} == base_files
+    assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={tmp_path / 'file'}",
+                 "--sft.max_steps=1", *COMMON]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    out = tmp_path / "sft"
+    for _ in range(2):  # an earlier result of the same command is rewritten, as before
+        assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]) == 0

@@ -44,3 +44,13 @@ def test_bad_input_is_a_user_error():
         bench_command([*TINY, "--optim.lr=1"])
     with pytest.raises(UserError):
         bench_command([*TINY, "--steps", "0"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--vocab-size", "0"], "--vocab-size must be >= 1"),  # was taken as "not given": 10000
+    (["--vocab-size", "-5"], "--vocab-size must be >= 1"),
+    (["--activation-checkpointing", "-1"], "--activation-checkpointing must be >= 0"),
+])
+def test_out_of_range_sizes_are_user_errors(extra, message):
+    with pytest.raises(UserError, match=message):
+        bench_command([*TINY, *extra])

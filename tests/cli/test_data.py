@@ -81,3 +81,27 @@ def test_download_list(capsys):
     for name in ("tinystories-train", "tinystories-valid", "owt-train", "owt-valid"):
         assert name in printed
     assert "owt_train.txt.gz" in printed
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_encode_chunk_mb_must_be_positive(tokenizer_dir, tmp_path, capsys, value):
+    # 0 and -1 were quietly taken as 1-byte units of work, nan stopped with a ValueError.
+    (tmp_path / "in.txt").write_text(STORY, encoding="utf-8")
+    out = tmp_path / "in.bin"
+    assert main(["encode", str(tmp_path / "in.txt"), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                 "--chunk-mb", value, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--chunk-mb must be a positive number of MB" in err and "\n" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--retries", "-1"], "--retries must be >= 0"),
+])
+def test_download_checks_timeout_and_retries(tmp_path, capsys, extra, message):
+    assert main(["download", "tinystories-valid", "--out-dir", str(tmp_path), "--mirror", "http://127.0.0.1:9",
+                 "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -27,6 +27,18 @@ def test_preset_loads_with_overrides():
         load_config(DPORunConfig, "dpo", ["--dpo.nope=1"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("--data.limit=-1", "data.limit must be >= 0"),  # quietly dropped the last pair
+    ("--data.eval_limit=-2", "data.eval_limit must be >= 0"),
+    ("--dpo.num_epochs=0", "dpo.num_epochs must be positive"),
+    ("--dpo.log_every=0", "dpo.log_every must be >= 1"),
+    ("--optim.lr=-1", "optim.lr must be >= 0"),
+])
+def test_out_of_range_settings_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DPORunConfig, "dpo", [override])
+
+
 def test_dpo_command_on_the_preset_writes_metrics_and_policy(tiny_policy, tmp_path):
     tiny_policy.save(tmp_path / "base")
     out = tmp_path / "dpo"

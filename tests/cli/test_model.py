@@ -87,3 +87,19 @@ def test_account_command_counts_the_optimizers_state(tmp_path, capsys):
         account_command([str(bare), "--optim.name=sgd"])
     with pytest.raises(ConfigError):
         account_command(["--optim.lr=1e-3"])
+
+
+def test_account_command_config_that_is_not_utf8(tmp_path, capsys):
+    from scratchlm.cli import main
+
+    latin1 = tmp_path / "model.toml"
+    latin1.write_bytes("# café\n[model]\nd_model = 64\n".encode("latin-1"))
+    assert main(["account", str(latin1)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.toml: not a TOML config" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_account_memory_gib_must_be_positive(value):
+    with pytest.raises(UserError, match="--memory-gib must be a positive number"):
+        account_command(["--memory-gib", value])

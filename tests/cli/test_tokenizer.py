@@ -65,3 +65,10 @@ def test_bad_input_is_one_line_error(tmp_path, corpus, capsys):
         train_bpe_command([str(corpus), "--out", str(tmp_path / "o")])  # --vocab-size is required
     with pytest.raises(UserError):
         tokenizer_stats_command([str(tmp_path), str(corpus), "--max-mb", "0"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_tokenizer_stats_max_mb_must_be_a_positive_number(tmp_path, corpus, capsys, value):
+    assert main(["tokenizer-stats", str(tmp_path), str(corpus), "--max-mb", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-mb must be a positive number" in err and "\n" not in err

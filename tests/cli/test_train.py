@@ -26,3 +26,31 @@ def test_train_and_eval_commands(cfg, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == 2 * 4 * 16 and result["checkpoint"].endswith("step_000012")
     assert result["val_loss"] == pytest.approx(_losses(out, "eval", "val_loss")[-1][1], rel=1e-5)
+
+
+def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
+    import numpy as np
+
+    from scratchlm.config import config_to_toml
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.transformer import build_model
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+    from scratchlm.train.checkpoint import save_run_checkpoint
+    from scratchlm.train.config import TrainConfig
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 50, encoding="utf-8")
+    tokenizer = Tokenizer(*train_bpe(corpus, 270, [], workers=1), [])
+    model_cfg = ModelConfig(vocab_size=270, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+    run = tmp_path / "run"
+    save_run_checkpoint(run, 1, model_state=build_model(model_cfg).state_dict(), optimizer_state=None,
+                        state={"step": 1}, config_text=config_to_toml(TrainConfig(model=model_cfg)), keep=1)
+    tokenizer.save(run / "tokenizer")
+    for name, hash_ in (("same", tokenizer.hash), ("other", "f" * 64)):
+        np.arange(100, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
+        (tmp_path / f"{name}.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 270,
+                                                           "tokenizer_hash": hash_}))
+    assert eval_command([str(run), "--data", str(tmp_path / "same.bin"), "--batches", "1", "--batch-size", "2"]) == 0
+    with pytest.raises(UserError, match="was encoded with another tokenizer"):
+        eval_command([str(run), "--data", str(tmp_path / "other.bin"), "--batches", "1", "--batch-size", "2"])

@@ -214,6 +214,20 @@ def test_export_command_refuses(tmp_path, capsys):
     assert err.startswith("scratchlm export: error: only the default Llama architecture") and "Traceback" not in err
 
 
+def test_export_command_refuses_to_write_into_a_checkpoint(tmp_path, capsys):
+    from scratchlm.train.checkpoint import load_trained_model
+
+    model, cfg = _model(seed=4)
+    step = _run_dir(tmp_path, model, cfg) / "checkpoints" / "step_000007"
+    weights = (step / "model.safetensors").read_bytes()
+    # The step directory as both source and OUT: --overwrite would replace its weights with HF ones.
+    assert _cli([str(step), "--to", "hf", str(step), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is a scratchlm checkpoint" in err and "\n" not in err.strip()
+    assert (step / "model.safetensors").read_bytes() == weights and not (step / "config.json").exists()
+    load_trained_model(step)  # still intact
+
+
 def test_export_command_run_dir_with_tokenizer(tmp_path):
     tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
     from scratchlm.tokenizer.train import train_bpe

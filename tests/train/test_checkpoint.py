@@ -132,12 +132,16 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000010"]
 
 
-@pytest.mark.parametrize("which", ["run", "step", "weights_file", "single_file"])
+@pytest.mark.parametrize("which", ["run", "step", "weights_file", "single_file", "optimizer_file",
+                                   "state_file", "latest_file"])
 def test_load_trained_model_from_every_kind_of_path(tmp_path, which):
     model, opt = _trained()
     step_dir = _save_step(tmp_path, 5, model, opt)
     (tmp_path / "config.toml").write_text("x")  # a run's own config is not what gets read
-    paths = {"run": tmp_path, "step": step_dir, "weights_file": step_dir / "model.safetensors"}
+    paths = {"run": tmp_path, "step": step_dir, "weights_file": step_dir / "model.safetensors",
+             # other files of a step directory or of checkpoints/ name the same checkpoint
+             "optimizer_file": step_dir / "optimizer.pt", "state_file": step_dir / "state.pt",
+             "latest_file": tmp_path / "checkpoints" / "latest"}
     if which == "single_file":
         paths[which] = tmp_path / "single.pt"
         ckpt.save_checkpoint(model, opt, 5, paths[which], model_config=TINY)
@@ -224,3 +228,11 @@ def test_a_run_without_latest_loads_its_newest_step(tmp_path):
     (tmp_path / "checkpoints" / "latest").unlink()
     assert ckpt.resolve_checkpoint(tmp_path) == newest
     assert ckpt.find_resume_checkpoint(tmp_path) == newest
+
+
+def test_a_torch_file_without_model_weights_is_not_a_checkpoint(tmp_path):
+    torch.save({"step": 3}, tmp_path / "state.pt")  # e.g. a file copied out of its step directory
+    torch.save(torch.zeros(2), tmp_path / "tensor.pt")
+    for name in ("state.pt", "tensor.pt"):
+        with pytest.raises(UserError, match="is not a model checkpoint"):
+            ckpt.load_trained_model(tmp_path / name)

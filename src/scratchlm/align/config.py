@@ -11,6 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def _check_at_least(section: str, minimum: int, **values: int) -> None:
+    """ValueError naming the first of `values` below `minimum` (e.g. a negative limit)."""
+    for name, value in values.items():
+        if value < minimum:
+            raise ValueError(f"{section}.{name} must be >= {minimum}, got {value}")
+
+
+def _check_positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{section}.{name} must be positive, got {value}")
+
+
 @dataclass
 class PolicyConfig:
     """Which model to start from."""
@@ -39,6 +52,7 @@ class DataConfig:
         if self.reward and self.reward not in REWARDS:
             raise ValueError(f"data.reward must be one of {', '.join(sorted(REWARDS))} (or \"\" for the "
                              f"template's own), got {self.reward!r}")
+        _check_at_least("data", 0, limit=self.limit, eval_limit=self.eval_limit)
 
 
 @dataclass
@@ -53,6 +67,16 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "eps", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
+        _check_at_least("optim", 0, warmup_steps=self.warmup_steps)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1} and {self.beta2}")
 
 
 @dataclass
@@ -77,6 +101,12 @@ class SFTConfig:
             raise ValueError("sft.mask_prompt = false needs sft.packed = true (unpacked SFT always masks the prompt)")
         if self.pack_length < 0:
             raise ValueError(f"sft.pack_length must be >= 0, got {self.pack_length}")
+        _check_at_least("sft", 1, micro_batch_size=self.micro_batch_size, grad_accum_steps=self.grad_accum_steps,
+                        log_every=self.log_every)
+        _check_at_least("sft", 0, max_steps=self.max_steps)
+        _check_positive("sft", num_epochs=self.num_epochs)
+        if self.normalize_constant < 0:
+            raise ValueError(f"sft.normalize_constant must be >= 0, got {self.normalize_constant}")
 
 
 @dataclass
@@ -89,6 +119,15 @@ class SamplingConfig:
     batch_size: int = 64  # prompts per generator call
     eval_max_new_tokens: int = 512
 
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        _check_at_least("sampling", 1, batch_size=self.batch_size)
+        _check_at_least("sampling", 0, max_new_tokens=self.max_new_tokens,
+                        eval_max_new_tokens=self.eval_max_new_tokens)
+
 
 @dataclass
 class ExpertIterationConfig:
@@ -98,6 +137,11 @@ class ExpertIterationConfig:
     questions_per_step: int = 512  # questions sampled per EI step
     group_size: int = 4  # responses per question (G)
     sft_epochs: float = 1.0  # SFT epochs over each step's kept responses
+
+    def __post_init__(self) -> None:
+        _check_at_least("ei", 0, n_ei_steps=self.n_ei_steps)
+        _check_at_least("ei", 1, questions_per_step=self.questions_per_step, group_size=self.group_size)
+        _check_positive("ei", sft_epochs=self.sft_epochs)
 
 
 @dataclass
@@ -129,6 +173,10 @@ class GRPOConfig:
                              f"got {self.loss_type!r}")
         if self.length_normalization not in ("mean", "constant"):
             raise ValueError(f"grpo.length_normalization must be 'mean' or 'constant', got {self.length_normalization!r}")
+        _check_at_least("grpo", 0, n_grpo_steps=self.n_grpo_steps, eval_every=self.eval_every)
+        _check_at_least("grpo", 1, rollout_batch_size=self.rollout_batch_size, group_size=self.group_size,
+                        train_batch_size=self.train_batch_size, grad_accum_steps=self.grad_accum_steps,
+                        epochs_per_rollout_batch=self.epochs_per_rollout_batch)
         if self.rollout_batch_size % self.group_size:
             raise ValueError("grpo.rollout_batch_size must be a multiple of grpo.group_size")
         if self.rollout_batch_size % self.train_batch_size:
@@ -151,6 +199,7 @@ class PreferenceDataConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        _check_at_least("data", 0, limit=self.limit, eval_limit=self.eval_limit)
 
 
 @dataclass
@@ -171,6 +220,9 @@ class DPOConfig:
             raise ValueError(f"dpo.beta must be positive, got {self.beta}")
         if self.micro_batch_size < 1 or self.grad_accum_steps < 1:
             raise ValueError("dpo.micro_batch_size and dpo.grad_accum_steps must be positive")
+        _check_at_least("dpo", 0, max_steps=self.max_steps, eval_every=self.eval_every, save_every=self.save_every)
+        _check_at_least("dpo", 1, log_every=self.log_every)
+        _check_positive("dpo", num_epochs=self.num_epochs)
 
 
 @dataclass

@@ -53,14 +53,38 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.is_file():
         raise FileNotFoundError(2, "No such file or directory", str(p))
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_line(raw, p, n)
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"{p}:{n}: not valid JSON ({exc.msg})") from None
     return rows
+
+
+def decode_line(raw: bytes, path: Path, n: int) -> str:
+    """Line `n` of a JSONL file as text; bytes that are not UTF-8 are a UserError naming the line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                        "convert the file to UTF-8") from None
+
+
+def arith_difficulty(name: str, default: int) -> int:
+    """The difficulty D of a dataset name ``arith`` or ``arith:D`` (a positive integer)."""
+    if ":" not in name:
+        return default
+    text = name.split(":", 1)[1]
+    try:
+        difficulty = int(text)
+    except ValueError:
+        raise UserError(f"{name!r}: the difficulty after 'arith:' must be an integer") from None
+    if difficulty < 1:
+        raise UserError(f"{name!r}: the difficulty after 'arith:' must be at least 1, got {difficulty}")
+    return difficulty
 
 
 def gsm8k_example(row: dict[str, Any]) -> MathExample:
@@ -77,7 +101,11 @@ def math_example(row: dict[str, Any]) -> MathExample:
     """A MATH row {problem, solution, answer, level, type} as a MathExample."""
     from scratchlm.align.math_normalize import last_boxed
 
-    answer = row.get("answer") or last_boxed(row["solution"]) or ""
+    answer = row.get("answer")
+    answer = str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer
+    if answer is not None and not isinstance(answer, str):
+        raise UserError(f"answer must be a string or a number, got {type(answer).__name__}")
+    answer = answer or last_boxed(row["solution"]) or ""
     meta = {k: row[k] for k in ("level", "type", "unique_id") if k in row}
     return MathExample(row["problem"], answer, row["solution"].strip(), meta)
 
@@ -86,12 +114,19 @@ def examples_from_rows(rows: list[dict[str, Any]], where: str) -> list[MathExamp
     """MathExamples from rows in the GSM8K or the MATH layout (detected from the keys)."""
     out = []
     for i, row in enumerate(rows):
-        if "problem" in row and "solution" in row:
-            out.append(math_example(row))
-        elif "question" in row and "answer" in row:
-            out.append(gsm8k_example(row))
+        if isinstance(row, dict) and "problem" in row and "solution" in row:
+            keys, convert = ("problem", "solution"), math_example
+        elif isinstance(row, dict) and "question" in row and "answer" in row:
+            keys, convert = ("question", "answer"), gsm8k_example
         else:
             raise UserError(f"{where}: row {i} has neither question/answer nor problem/solution keys")
+        wrong = next((k for k in keys if not isinstance(row[k], str)), None)
+        if wrong is not None:
+            raise UserError(f"{where}: row {i}: {wrong} must be a string, got {type(row[wrong]).__name__}")
+        try:
+            out.append(convert(row))
+        except UserError as exc:
+            raise UserError(f"{where}: row {i}: {exc}") from None
     return out
 
 
@@ -101,8 +136,7 @@ def load_examples(dataset: str, split: str = "test", *, data_dir: str | os.PathL
     if dataset == "arith" or dataset.startswith("arith:"):
         from scratchlm.align.task import ArithmeticTask
 
-        difficulty = int(dataset.split(":", 1)[1]) if ":" in dataset else 2
-        return ArithmeticTask(difficulty=difficulty).examples(limit or 1000, split=split, seed=seed)
+        return ArithmeticTask(difficulty=arith_difficulty(dataset, 2)).examples(limit or 1000, split=split, seed=seed)
     base = Path(data_dir) if data_dir is not None else default_data_dir()
     if dataset == "gsm8k":
         path = base / "gsm8k" / f"{split}.jsonl"

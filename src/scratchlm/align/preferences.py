@@ -40,8 +40,11 @@ def read_preference_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     if not p.is_file():
         raise UserError(f"preference file {p} not found (expected JSONL with prompt, chosen, rejected on each line)")
     pairs = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    from scratchlm.align.datasets import decode_line
+
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_line(raw, p, n)
             if not line.strip():
                 continue
             try:
@@ -84,11 +87,9 @@ def load_preference_pairs(source: str, *, split: str = "train", limit: int | Non
                           template: str = "r1_zero") -> list[PreferencePair]:
     """Pairs from a JSONL path or ``arith[:D]`` (`split` and `template` apply to the latter); the first `limit`."""
     if source == "arith" or source.startswith("arith:"):
-        try:
-            difficulty = int(source.split(":", 1)[1]) if ":" in source else 1
-        except ValueError:
-            raise UserError(f"{source!r}: the difficulty after 'arith:' must be an integer") from None
-        return arithmetic_preference_pairs(limit or 1000, difficulty=difficulty, split=split, seed=seed,
+        from scratchlm.align.datasets import arith_difficulty
+
+        return arithmetic_preference_pairs(limit or 1000, difficulty=arith_difficulty(source, 1), split=split, seed=seed,
                                            template=template)
     pairs = read_preference_pairs(source)
     return pairs[:limit] if limit else pairs

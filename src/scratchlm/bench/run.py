@@ -157,6 +157,10 @@ def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
     if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
         raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")
+    if options.vocab_size is not None and options.vocab_size < 1:
+        raise UserError(f"--vocab-size must be >= 1, got {options.vocab_size}")
+    if options.activation_checkpointing < 0:
+        raise UserError(f"--activation-checkpointing must be >= 0 (0: off), got {options.activation_checkpointing}")
     return device, precision
 
 

@@ -61,6 +61,16 @@ def _require_policy_path(cfg: Any) -> None:
         raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file and a training run's folders."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"run.out_dir {out_dir} exists and is not a directory")
+    if (out_dir / "checkpoints").is_dir() or ((out_dir / "model.safetensors").is_file()
+                                               and (out_dir / "config.toml").is_file()):
+        raise UserError(f"run.out_dir {out_dir} is a training run or checkpoint: its config.toml and "
+                        "metrics.jsonl would be overwritten; choose another run.out_dir")
+
+
 def _start(cfg: Any):
     """Seed, output folder with the resolved config, device and policy."""
     import torch
@@ -72,6 +82,7 @@ def _start(cfg: Any):
     _require_policy_path(cfg)
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
+    _check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
     return load_policy(cfg.policy.path, resolve_device(cfg.policy.device)), out_dir
@@ -233,6 +244,18 @@ def eval_math_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be positive, got {args.limit}")
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.out:
+        # Checked now, not after the whole evaluation has run.
+        out = Path(args.out)
+        if out.is_dir():
+            raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
+        out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples
     from scratchlm.align.evaluate import evaluate_policy, format_summary, write_jsonl

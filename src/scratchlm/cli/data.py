@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+from scratchlm.errors import UserError
 
 
 def encode_command(argv: list[str]) -> int:
@@ -29,6 +32,9 @@ def encode_command(argv: list[str]) -> int:
                         help="invalid UTF-8: stop with an error (default) or encode U+FFFD")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+
+    if args.chunk_mb is not None and not (math.isfinite(args.chunk_mb) and args.chunk_mb > 0):
+        raise UserError(f"--chunk-mb must be a positive number of MB, got {args.chunk_mb}")
 
     from scratchlm.tokenizer.encode_corpus import encode_corpus
 
@@ -72,6 +78,10 @@ def download_command(argv: list[str]) -> int:
         return 0
     if not args.name:
         parser.error("give a dataset NAME or --list")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {args.retries}")
 
     from scratchlm.data.download import download_dataset
 

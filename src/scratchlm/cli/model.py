@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import tomllib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ def load_model_config(config: str | None, overrides: list[str]) -> Any:
 def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, str]:
     """(ModelConfig, optimizer name) as `load_model_config` finds them: the optimizer is the
     config's ``optim.name`` ("adamw" for a bare [model] table), then ``--optim.name=NAME``."""
-    from scratchlm.config import ConfigError, load_config, parse_override, resolve_preset
+    from scratchlm.config import ConfigError, load_config, parse_override, read_toml, resolve_preset
     from scratchlm.model.config import ModelConfig
     from scratchlm.optim.config import OptimConfig
 
@@ -45,10 +45,7 @@ def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, 
                               f"and --optim.name")
     data: dict[str, Any] = {}
     if preset is not None:
-        try:
-            data = tomllib.loads(preset.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{preset}: invalid TOML: {exc}") from None
+        data = read_toml(preset)
     if not data or set(data) & _TRAIN_SECTIONS:
         from scratchlm.train.config import TrainConfig
 
@@ -130,6 +127,8 @@ def account_command(argv: list[str]) -> int:
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="also report the largest fp32 batch that fits in this much memory")
     args = parser.parse_args(positional)
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        raise UserError(f"--memory-gib must be a positive number of GiB, got {args.memory_gib}")
     cfg, optimizer = load_account_config(args.config, overrides)
     report = account(cfg, optimizer)
     if args.memory_gib is not None:
@@ -159,6 +158,9 @@ def export_command(argv: list[str]) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
+    if (out / "model.safetensors").is_file() and (out / "config.toml").is_file():
+        raise UserError(f"{out} is a scratchlm checkpoint: exporting into it would replace its weights; "
+                        "choose another output directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"{out} is not empty (pass --overwrite to replace its files)")
     source = Path(args.source)

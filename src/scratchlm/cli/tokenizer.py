@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 import time
@@ -104,8 +105,8 @@ def tokenizer_stats_command(argv: list[str]) -> int:
     parser.add_argument("--top", type=_positive, default=20, help="entries in the top lists (default 20)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a report")
     args = parser.parse_args(argv)
-    if args.max_mb <= 0:
-        raise UserError("--max-mb must be positive")
+    if not (math.isfinite(args.max_mb) and args.max_mb > 0):
+        raise UserError(f"--max-mb must be a positive number, got {args.max_mb}")
 
     from scratchlm.tokenizer.stats import format_stats, read_sample, tokenizer_stats
     from scratchlm.tokenizer.tokenizer import Tokenizer

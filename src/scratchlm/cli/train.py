@@ -123,8 +123,9 @@ def evaluate_run(run: str, data: str, *, batches: int, batch_size: int, device: 
     from scratchlm.train.metrics import perplexity
 
     dev = resolve_device(device)
-    model, model_cfg, _ = load_trained_model(run, device=dev)
-    tokens = open_checked(data, model_cfg, "--data")
+    model, model_cfg, tokenizer = load_trained_model(run, device=dev)
+    # Data encoded with another tokenizer of the same size would give a meaningless loss.
+    tokens = open_checked(data, model_cfg, "--data", tokenizer_hash=tokenizer.hash if tokenizer is not None else None)
     counted = []
 
     def counting(it):

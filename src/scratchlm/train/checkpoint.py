@@ -544,7 +544,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not path.exists():
         raise FileNotFoundError(2, "No such file or directory", str(path))
     if path.is_file():
-        return path.parent if path.name == WEIGHTS else path
+        if path.name == LATEST and path.parent.name == CHECKPOINTS:
+            return resolve_checkpoint(path.parent.parent)
+        if path.name == WEIGHTS or ((path.parent / WEIGHTS).is_file() and (path.parent / CONFIG).is_file()):
+            return path.parent  # the weights or another file (optimizer.pt, state.pt, ...) of a step directory
+        return path
     if (path / WEIGHTS).is_file():
         return path
     if (path / CHECKPOINTS).is_dir():
@@ -588,6 +592,9 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         tokenizer_dir = run_dir / "tokenizer"
     else:
         payload = _torch_load(where)
+        if not isinstance(payload, dict) or "model" not in payload:
+            raise UserError(f"{where} is not a model checkpoint (it holds no model weights); give a run "
+                            f"directory, a step directory or a file written by save_checkpoint")
         if payload.get("model_config") is not None:
             cfg = from_dict(ModelConfig, payload["model_config"], where="model")
         elif (where.parent / CONFIG).is_file():
