@@ -139,6 +139,21 @@ def _hf_generate(hf, prompts, new_tokens, *, static=False, sample=False, stop_id
     return rows
 
 
+_UNSTACKED = {}
+
+
+def _unstacked(model, prompts, new_tokens):
+    """Greedy decoding by a compiled, captured engine without stacked projections (one kept)."""
+    from scratchlm.infer.engine import DecodeEngine
+
+    need = max(len(p) for p in prompts) + new_tokens
+    if _UNSTACKED.get("need") != need:
+        _UNSTACKED.update(need=need, engine=DecodeEngine(model, len(prompts), need, compile=True,
+                                                         stack_projections=False))
+    with torch.inference_mode():
+        return _UNSTACKED["engine"].run(prompts, [new_tokens] * len(prompts), temperature=0)
+
+
 def _agreement(a, b) -> float:
     same = total = 0
     for x, y in zip(a, b):
@@ -237,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs": lambda: generate(model, prompt, n, temperature=0),
         "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
         "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
+        # the same compiled engine with q, k, v and w1, w3 as separate matmuls: what stacking gives
+        "scratchlm_engine_graphs_compile_unstacked": lambda: _unstacked(model, prompt, n),
     }
     results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")

@@ -26,6 +26,7 @@ draws held-out accuracy, rollout reward, token entropy and response length again
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -306,6 +307,42 @@ def plot_curves(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+PHASES = ("rollout_s", "score_s", "batch_s", "update_s", "eval_s")
+
+
+def phase_seconds(history: list[dict]) -> dict[str, float]:
+    """Mean wall seconds a GRPO step spent in each phase (evaluations spread over all steps)."""
+    steps = [h for h in history if h.get("step", 0) > 0]
+    return {k: sum(h.get(k, 0.0) for h in steps) / max(len(steps), 1) for k in PHASES}
+
+
+@contextlib.contextmanager
+def grpo_profiler(path: str | None, first: int = 21, count: int = 5):
+    """Yields a per-step callback; with a path, GRPO steps first .. first + count - 1 run under
+    torch.profiler (CPU and CUDA) and the table of their time by op and phase goes to path
+    (nothing is written when the run stops before them)."""
+    if path is None:
+        yield lambda row: None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = torch.cuda.is_available()
+
+    def write(prof) -> None:
+        sorts = ("cpu_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)
+        tables = [prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=80) for key in sorts]
+        Path(path).write_text(f"GRPO steps {first}-{first + count - 1}\n\n" + "\n\n".join(tables), encoding="utf-8")
+        print(tables[0][:6000], flush=True)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, on_trace_ready=write,
+                 schedule=schedule(wait=first - 2, warmup=1, active=count, repeat=1)) as prof:
+        def on_step(row: dict) -> None:
+            if row.get("phase") == "grpo" and row.get("step", 0) > 0:
+                prof.step()
+        yield on_step
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="tiny")
@@ -326,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpo-steps", type=int, help="override the GRPO steps")
     parser.add_argument("--grpo-loss", choices=["no_baseline", "reinforce_with_baseline", "grpo_clip"])
     parser.add_argument("--grpo-lr", type=float, help="override the GRPO learning rate")
+    parser.add_argument("--profile-grpo", metavar="PATH", default=None,
+                        help="profile GRPO steps 21-25 (CPU and CUDA) and write the table of where they spend time here")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any scale setting, e.g. grpo.group_size=16 sampling.temperature=1.2")
     return parser
@@ -393,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         def log(row):
             keep = ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy", "eval_format_rate",
                     "kept", "token_entropy", "clip_fraction", "zero_std_groups", "response_tokens_mean",
-                    "retokenized_fraction", "rollout_tokens_per_s")
+                    "retokenized_fraction", "rollout_tokens_per_s", "rollout_s", "update_s")
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keep}),
                   flush=True)
 
@@ -425,14 +464,17 @@ def main(argv: list[str] | None = None) -> int:
         if "grpo" not in args.skip:
             pol = fresh_policy()
             t0 = time.perf_counter()
-            hist = grpo_train(pol, rl_examples, template=template, reward_fn=arithmetic_reward, grpo=scale.grpo,
-                              optim=scale.grpo_optim, sampling=scale.sampling, evaluate=evaluator(pol),
-                              seed=args.seed, log=log)
+            with grpo_profiler(args.profile_grpo) as on_step:
+                hist = grpo_train(pol, rl_examples, template=template, reward_fn=arithmetic_reward, grpo=scale.grpo,
+                                  optim=scale.grpo_optim, sampling=scale.sampling, evaluate=evaluator(pol),
+                                  seed=args.seed, log=lambda row: (log(row), on_step(row)))
             finals["grpo"] = pol
             evals = [h for h in hist if "eval_accuracy" in h]
             results["grpo"] = {"seconds": time.perf_counter() - t0, "history": hist, "steps": hist[-1]["step"],
                                "final_accuracy": evals[-1]["eval_accuracy"],
-                               "best_accuracy": max(h["eval_accuracy"] for h in evals)}
+                               "best_accuracy": max(h["eval_accuracy"] for h in evals),
+                               "phase_seconds_per_step": phase_seconds(hist)}
+            print("GRPO seconds a step by phase:", json.dumps(results["grpo"]["phase_seconds_per_step"]), flush=True)
         if args.save_policies:
             for name, pol in finals.items():
                 pol.save(Path(args.save_policies) / name)

@@ -98,6 +98,7 @@ def test_grpo_clip_off_policy_epochs_run_and_report(tiny_policy):
     assert [h["step"] for h in history] == [0, 1, 2]
     assert 0.0 <= history[-1]["clip_fraction"] <= 1.0 and history[-1]["grad_norm"] > 0
     assert "eval_accuracy" in history[1] and history[1]["rollout_tokens_per_s"] > 0
+    assert history[1]["eval_s"] > 0 and history[1]["update_s"] > 0  # the phases' wall seconds
     assert any(not torch.equal(a, b) for a, b in zip(before, tiny_policy.model.parameters()))
 
 
@@ -163,10 +164,14 @@ def test_grpo_train_is_its_named_steps_run_in_order(tiny_policy):
         update += n
         rows.append(step_metrics(step, lr, meta, reward_meta, rollouts, retokenized))
     assert update == 8
-    drop = ("rollout_tokens_per_s", "elapsed_s")  # wall time
+    phases = ("rollout_s", "score_s", "batch_s", "update_s")
+    drop = ("rollout_tokens_per_s", "elapsed_s", *phases)  # wall time
     assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == [
         {k: v for k, v in h.items() if k not in drop} for h in history]
     assert 0 < history[0]["elapsed_s"] <= history[1]["elapsed_s"]
+    for h in history:  # no evaluation here: the phases are the whole step, less the bookkeeping
+        assert all(h[k] >= 0 for k in phases) and "eval_s" not in h
+    assert 0.5 * history[0]["elapsed_s"] < sum(history[0][k] for k in phases) <= history[0]["elapsed_s"]
     for a, b in zip(tiny_policy.model.parameters(), by_hand.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -20,7 +20,9 @@ token alike), then averaged over the batch and divided by the accumulation steps
 `grpo_train` is a loop over named steps, each usable alone: `sample_rollouts` (questions and
 a group of responses to each), `score_rollouts` (rewards and advantages), `rollout_batch`
 (the token batch to train on), `update_policy` (the optimizer steps over that batch) and
-`step_metrics` (the logged row), with the held-out evaluation every `eval_every` steps.
+`step_metrics` (the logged row), with the held-out evaluation every `eval_every` steps. Each
+row also holds the wall seconds of its phases (`rollout_s`, `score_s`, `batch_s`, `update_s`
+and `eval_s` when it evaluated), so a run shows where its time goes.
 
 There is no KL penalty against a reference model: with verifiable rewards and few steps the
 clip (or on-policy updates) keeps the policy close enough, and it saves a third model pass.
@@ -30,7 +32,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +227,25 @@ def log_probs_fn(compile: bool):
     return _compiled_log_probs
 
 
+class PhaseClock:
+    """Wall seconds of a step's phases: ``with clock("rollout_s"): ...`` adds to clock.seconds.
+
+    Each phase also shows as a range of its name in a `torch.profiler` trace. The phases end
+    with a host read of their results (token ids, losses, the gradient norm), so GPU work is
+    counted in the phase that queued it.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"grpo.{name.removesuffix('_s')}"):
+            yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
 @dataclass
 class Rollouts:
     """One rollout batch: `group_size` consecutive responses to each sampled question."""
@@ -396,20 +418,28 @@ def grpo_train(
     bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
     started = time.perf_counter()
     for step in range(1, grpo.n_grpo_steps + 1):
-        rollouts = sample_rollouts(policy, train_examples, template=template, grpo=grpo, sampling=sampling, rng=rng)
-        advantages, raw, reward_meta = score_rollouts(rollouts, reward_fn, grpo)
-        batch, retokenized = rollout_batch(policy, rollouts)
-        update_meta, lr, n_updates = update_policy(
-            policy, optimizer, batch, advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None],
-            grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=update,
-            total_updates=total_updates, rng=rng)
+        clock = PhaseClock()
+        with clock("rollout_s"):
+            rollouts = sample_rollouts(policy, train_examples, template=template, grpo=grpo, sampling=sampling,
+                                       rng=rng)
+        with clock("score_s"):
+            advantages, raw, reward_meta = score_rollouts(rollouts, reward_fn, grpo)
+        with clock("batch_s"):
+            batch, retokenized = rollout_batch(policy, rollouts)
+        with clock("update_s"):
+            update_meta, lr, n_updates = update_policy(
+                policy, optimizer, batch, advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None],
+                grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=update,
+                total_updates=total_updates, rng=rng)
         update += n_updates
         row = step_metrics(step, lr, update_meta, reward_meta, rollouts, retokenized)
         row["elapsed_s"] = time.perf_counter() - started  # GRPO wall time so far, evaluations included
         out_of_time = bool(grpo.max_seconds) and row["elapsed_s"] >= grpo.max_seconds
         last = step == grpo.n_grpo_steps or out_of_time
         if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
-            row.update(eval_metrics(evaluate, step))
+            with clock("eval_s"):
+                row.update(eval_metrics(evaluate, step))
+        row.update(clock.seconds)
         record(row)
         bar.update(1)
         bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")

@@ -191,7 +191,8 @@ class DecodeEngine:
 
     def _start_rows(self, slots: list[int], prompts: list[Sequence[int]], budgets: list[int], sampling) -> None:
         """Prefill prompts into slots and sample their first tokens."""
-        logits = self._prefill(slots, prompts)  # (n, V)
+        with torch.profiler.record_function("engine.prefill"):
+            logits = self._prefill(slots, prompts)  # (n, V)
         idx = torch.tensor(slots, device=self.device)
         self.lens[idx] = torch.tensor([len(p) for p in prompts], device=self.device)
         self.budget[idx] = torch.tensor(budgets, device=self.device)
