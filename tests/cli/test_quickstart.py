@@ -63,3 +63,12 @@ def test_bad_numbers_are_refused_before_anything_is_written(tmp_path, flags, mes
         qs.quickstart_command(["--out", str(tmp_path / "qs"), *flags])
     assert not (tmp_path / "qs").exists()
 
+
+
+def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
+    out = tmp_path / "qs"
+    qs.prepare_out_dir(out)
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="neither a text file nor a dataset name"):
+        qs.quickstart_command(["--out", str(out), "--data", str(tmp_path / "typo.txt"), "--steps", "1"])
+    assert (out / "metrics.jsonl").read_text() == "{}\n"

@@ -108,11 +108,11 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     out = Path(args.out)
+    # The corpus first: a bad --data must not cost the previous run in --out.
+    what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
     prepare_out_dir(out)
     data = out / "data"
     data.mkdir()
-
-    what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
     (data / "train.txt").write_text(train_text, encoding="utf-8")
     (data / "valid.txt").write_text(valid_text, encoding="utf-8")
     print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "
