@@ -162,3 +162,13 @@ def test_a_failed_rerun_leaves_the_earlier_result_alone(tiny_policy, tmp_path, c
     assert main([*args, f"--policy.path={tmp_path / 'base'}", "--data.eval_dataset=typo.jsonl"]) == 2
     capsys.readouterr()
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_grpo_refuses_a_training_set_smaller_than_a_rollout_batch(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "grpo"
+    code = main(["grpo", "align-grpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}", *COMMON,
+                 "--data.limit=1", "--grpo.rollout_batch_size=4", "--grpo.group_size=2", "--grpo.train_batch_size=4",
+                 "--grpo.grad_accum_steps=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "GRPO draws 2 questions a step" in err and "\n" not in err and not out.exists()

@@ -177,10 +177,11 @@ def expert_iteration_command(argv: list[str]) -> int:
 def grpo_command(argv: list[str]) -> int:
     """``scratchlm grpo [config] [--section.key=value ...]``."""
     from scratchlm.align.config import GRPORunConfig
-    from scratchlm.align.grpo import grpo_train
+    from scratchlm.align.grpo import check_train_examples, grpo_train
 
     cfg = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
     template, reward_fn, train, evals = _inputs(cfg)
+    check_train_examples(train, cfg.grpo)
     policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
     history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
