@@ -172,3 +172,13 @@ def test_grpo_refuses_a_training_set_smaller_than_a_rollout_batch(tiny_policy, t
                  "--grpo.grad_accum_steps=2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "GRPO draws 2 questions a step" in err and "\n" not in err and not out.exists()
+
+
+def test_eval_math_out_may_not_be_its_dataset(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    before = data.read_bytes()
+    assert main(["eval-math", str(tmp_path / "run"), "--dataset", str(data), "--out", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "would overwrite the --dataset file" in err and "\n" not in err
+    assert data.read_bytes() == before

@@ -264,6 +264,8 @@ def eval_math_command(argv: list[str]) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
+        if out.resolve() == Path(args.dataset).resolve():
+            raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
         out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples
