@@ -56,6 +56,8 @@ def test_jsonl_path_and_errors(tmp_path):
 def test_arith_dataset_name():
     ex = load_examples("arith:3", "test", limit=5)
     assert len(ex) == 5 and all(e.reasoning.count("=") == 3 for e in ex)
+    with pytest.raises(UserError, match="arith has a train and a test split, not 'validation'"):
+        load_examples("arith", "validation")  # was a ValueError
 
 
 @pytest.mark.parametrize("row, message", [

@@ -7,13 +7,17 @@ import math
 import pytest
 import torch
 
+from scratchlm.align.config import GRPOConfig
 from scratchlm.align.grpo import (
+    check_train_examples,
     compute_grpo_clip_loss,
     compute_group_normalized_rewards,
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
     grpo_microbatch_train_step,
 )
+from scratchlm.align.task import ArithmeticTask
+from scratchlm.errors import UserError
 
 
 def _reward(response: str, truth: str) -> dict[str, float]:
@@ -134,3 +138,12 @@ def test_rollout_ids_are_the_sampled_ones():
     policy.encode = lambda text: calls.append(text) or encode(text)
     assert rollout_response_ids(policy, completions) == (ids, retokenized)
     assert sorted(calls) == ["", "70", "70 </answer>"]  # each distinct text encoded once
+
+
+def test_training_set_must_hold_one_rollout_batch_of_questions():
+    # grpo_train drew fewer questions than the batch has rows and stopped with an IndexError.
+    grpo = GRPOConfig(rollout_batch_size=4, group_size=2, train_batch_size=4, grad_accum_steps=1)
+    examples = ArithmeticTask(difficulty=1).examples(2)
+    check_train_examples(examples, grpo)
+    with pytest.raises(UserError, match="GRPO draws 2 questions a step .* the training set has 1"):
+        check_train_examples(examples[:1], grpo)

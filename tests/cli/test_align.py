@@ -130,3 +130,55 @@ def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, caps
     for _ in range(2):  # an earlier result of the same command is rewritten, as before
         assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
                      "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]) == 0
+
+
+@pytest.mark.parametrize("command, preset, extra", [
+    ("sft", "align-sft", ["--sft.max_steps=1"]),
+    ("expert-iteration", "align-ei", ["--ei.n_ei_steps=1"]),
+    ("grpo", "align-grpo", ["--grpo.n_grpo_steps=1"]),
+])
+def test_empty_datasets_are_refused_before_anything_is_written(tiny_policy, tmp_path, capsys, command, preset, extra):
+    # An empty training set stopped EI with a ZeroDivisionError and GRPO with a RuntimeError;
+    # an empty evaluation set was reported as accuracy 0.0.
+    tiny_policy.save(tmp_path / "base")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    for flag in ("--data.dataset", "--data.eval_dataset"):
+        out = tmp_path / f"out{flag}"
+        code = main([command, preset, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     *COMMON, f"{flag}={tmp_path / 'empty.jsonl'}", *extra])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "empty.jsonl" in err and ("has no examples" in err or "no worked solutions" in err)
+        assert "\n" not in err and not out.exists()
+
+
+def test_a_failed_rerun_leaves_the_earlier_result_alone(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "sft"
+    args = ["sft", "align-sft", f"--run.out_dir={out}", "--sft.max_steps=1", "--sft.micro_batch_size=2",
+            "--sft.grad_accum_steps=1", *COMMON]
+    assert main([*args, f"--policy.path={tmp_path / 'base'}"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert main([*args, f"--policy.path={tmp_path / 'typo'}"]) == 2  # config.toml was rewritten first
+    assert main([*args, f"--policy.path={tmp_path / 'base'}", "--data.eval_dataset=typo.jsonl"]) == 2
+    capsys.readouterr()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_grpo_refuses_a_training_set_smaller_than_a_rollout_batch(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "grpo"
+    code = main(["grpo", "align-grpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}", *COMMON,
+                 "--data.limit=1", "--grpo.rollout_batch_size=4", "--grpo.group_size=2", "--grpo.train_batch_size=4",
+                 "--grpo.grad_accum_steps=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "GRPO draws 2 questions a step" in err and "\n" not in err and not out.exists()
+
+
+def test_eval_math_out_may_not_be_its_dataset(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    before = data.read_bytes()
+    assert main(["eval-math", str(tmp_path / "run"), "--dataset", str(data), "--out", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "would overwrite the --dataset file" in err and "\n" not in err
+    assert data.read_bytes() == before

@@ -49,3 +49,26 @@ def test_plan_steps_fits_the_budget():
     assert qs.plan_steps(0.5, 150, cfg, cap=1000) == int(150 / 0.5 - 5 * cfg.trainer.eval_batches / 3)
     assert qs.plan_steps(100.0, 150, cfg, cap=1000) == 20
     assert qs.plan_steps(0.001, 150, cfg, cap=1000) == 1000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--minutes", "nan"], "--minutes must be a positive number, got nan"),  # was a ValueError after encoding
+    (["--minutes", "inf"], "--minutes must be a positive number, got inf"),  # was an OverflowError
+    (["--corpus-mb", "nan"], "--corpus-mb must be a positive number, got nan"),
+    (["--steps", "0"], "--steps must be a positive number, got 0"),
+    (["--vocab-size", "256"], "--vocab-size must be at least 257"),
+])
+def test_bad_numbers_are_refused_before_anything_is_written(tmp_path, flags, message):
+    with pytest.raises(UserError, match=message):
+        qs.quickstart_command(["--out", str(tmp_path / "qs"), *flags])
+    assert not (tmp_path / "qs").exists()
+
+
+
+def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
+    out = tmp_path / "qs"
+    qs.prepare_out_dir(out)
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="neither a text file nor a dataset name"):
+        qs.quickstart_command(["--out", str(out), "--data", str(tmp_path / "typo.txt"), "--steps", "1"])
+    assert (out / "metrics.jsonl").read_text() == "{}\n"

@@ -40,3 +40,15 @@ def test_building_a_corpus_imports_no_torch(tmp_path):
     code = (f"import sys; from scratchlm.data.corpus import build_corpus; build_corpus({str(tmp_path / 'mine.txt')!r}, "
             "None, 2000); assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_file_that_is_not_utf8_is_refused(tmp_path):
+    # Bytes that are not UTF-8 were dropped silently ("café" trained as "caf").
+    (tmp_path / "latin1.txt").write_bytes("un café crème\n".encode("latin-1") * 500)
+    with pytest.raises(UserError, match=r"latin1.txt: not valid UTF-8 \(byte 0xe9 at offset 6\)"):
+        corpus.build_corpus(str(tmp_path / "latin1.txt"), tmp_path, 30_000)
+
+
+def test_a_character_cut_at_the_size_limit_is_dropped(tmp_path):
+    (tmp_path / "utf8.txt").write_text("é" * 100, encoding="utf-8")
+    assert corpus.read_head(tmp_path / "utf8.txt", 11) == "é" * 5

@@ -153,3 +153,19 @@ def test_parse_content_range():
     assert dl._parse_content_range("bytes 100-199/200") == (100, 200)
     assert dl._parse_content_range("bytes 5-9/*") == (5, None)
     assert dl._parse_content_range("nonsense")[0] == -1
+
+
+@pytest.mark.parametrize("mirror", ["mirror-folder", "http://[bad"])
+def test_mirror_that_is_not_a_url_is_one_clear_line(tmp_path, mirror):
+    # A folder path or a malformed URL stopped with a ValueError.
+    with pytest.raises(DownloadError, match="a mirror is a base URL such as"):
+        download_dataset("tinystories-valid", tmp_path, mirror=mirror, progress=False, retries=0)
+    assert not list(tmp_path.iterdir())
+
+
+def test_file_url_mirror(tmp_path):
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / "TinyStoriesV2-GPT4-valid.txt").write_bytes(TEXT)
+    result = download_dataset("tinystories-valid", tmp_path / "out", mirror=(tmp_path / "mirror").as_uri(),
+                              progress=False)
+    assert result.path.read_bytes() == TEXT

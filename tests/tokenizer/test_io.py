@@ -96,3 +96,17 @@ def test_read_errors(tmp_path):
     merges.write_text("#version: 0.2\na b c\n")
     with pytest.raises(UserError, match="merges.txt:2"):
         read_merges_txt(merges)
+
+
+def test_a_missing_special_tokens_file_or_cut_merges_are_errors(trained, tmp_path):
+    # Both loaded silently: <|endoftext|> was encoded as ordinary text, and the tokens of lost
+    # merges were never produced.
+    trained.save(tmp_path / "tok")
+    (tmp_path / "tok" / "special_tokens.json").unlink()
+    with pytest.raises(UserError, match=r"'<\|endoftext\|>' .* special_tokens.json \(missing\) must list it"):
+        Tokenizer.load(tmp_path / "tok")
+    trained.save(tmp_path / "cut")
+    merges = tmp_path / "cut" / "merges.txt"
+    merges.write_text("".join(merges.read_text(encoding="utf-8").splitlines(keepends=True)[:-5]), encoding="utf-8")
+    with pytest.raises(UserError, match="which no merge in merges.txt makes: merges.txt is incomplete"):
+        Tokenizer.load(tmp_path / "cut")

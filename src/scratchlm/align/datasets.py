@@ -136,6 +136,8 @@ def load_examples(dataset: str, split: str = "test", *, data_dir: str | os.PathL
     if dataset == "arith" or dataset.startswith("arith:"):
         from scratchlm.align.task import ArithmeticTask
 
+        if split not in ("train", "test"):
+            raise UserError(f"{dataset} has a train and a test split, not {split!r}")
         return ArithmeticTask(difficulty=arith_difficulty(dataset, 2)).examples(limit or 1000, split=split, seed=seed)
     base = Path(data_dir) if data_dir is not None else default_data_dir()
     if dataset == "gsm8k":

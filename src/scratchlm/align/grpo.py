@@ -50,6 +50,7 @@ from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
     LogFn, _bar, eval_metrics, learning_rate, make_optimizer, optimizer_step, recorder,
 )
+from scratchlm.errors import UserError
 
 
 def compute_group_normalized_rewards(
@@ -256,6 +257,14 @@ class Rollouts:
     seconds: float  # wall time of generation
 
 
+def check_train_examples(train_examples: Sequence[MathExample], grpo: GRPOConfig) -> None:
+    """UserError when there are fewer questions than one rollout batch draws (`rollout_batch_size / group_size`)."""
+    needed = grpo.rollout_batch_size // grpo.group_size
+    if len(train_examples) < needed:
+        raise UserError(f"GRPO draws {needed} questions a step (grpo.rollout_batch_size / grpo.group_size) but "
+                        f"the training set has {len(train_examples)}; lower grpo.rollout_batch_size or add examples")
+
+
 def sample_rollouts(
     policy: Any,
     train_examples: Sequence[MathExample],
@@ -404,6 +413,7 @@ def grpo_train(
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
     its dict is merged into that step's metrics under ``eval_*`` keys.
     """
+    check_train_examples(train_examples, grpo)
     reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)
     optimizer = make_optimizer(policy.model, optim)

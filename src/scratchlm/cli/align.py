@@ -72,7 +72,7 @@ def _check_out_dir(out_dir: Path) -> None:
 
 
 def _start(cfg: Any):
-    """Seed, output folder with the resolved config, device and policy."""
+    """Seed, policy, then the output folder with the resolved config (a bad policy writes nothing)."""
     import torch
 
     from scratchlm.align.policy import load_policy
@@ -83,20 +83,27 @@ def _start(cfg: Any):
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
     _check_out_dir(out_dir)
+    policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
-    return load_policy(cfg.policy.path, resolve_device(cfg.policy.device)), out_dir
+    return policy, out_dir
 
 
-def _setup(cfg: Any):
-    """Seed, device, policy, template and reward function, output folder."""
+def _inputs(cfg: Any):
+    """Template, reward function, training and evaluation examples: read before anything is written."""
     from scratchlm.align.prompts import get_template
     from scratchlm.align.reward_registry import select_reward
 
-    policy, out_dir = _start(cfg)
+    _require_policy_path(cfg)
     template = get_template(cfg.data.template)
     reward_fn = select_reward(cfg.data.reward, template=cfg.data.template, dataset=cfg.data.dataset)
-    return policy, template, reward_fn, out_dir
+    train, evals = _examples(cfg, eval_split=False), _examples(cfg, eval_split=True)
+    data = cfg.data
+    for examples, name, split in ((train, data.dataset, data.split),
+                                  (evals, data.eval_dataset or data.dataset, data.eval_split)):
+        if not examples:
+            raise UserError(f"{name}/{split} has no examples")
+    return template, reward_fn, train, evals
 
 
 def _examples(cfg: Any, *, eval_split: bool):
@@ -109,10 +116,8 @@ def _examples(cfg: Any, *, eval_split: bool):
                          data_dir=data.data_dir or None, limit=limit, seed=cfg.run.seed)
 
 
-def _evaluator(policy: Any, cfg: Any, template: Any, reward_fn: Any, out_dir: Path):
+def _evaluator(policy: Any, cfg: Any, template: Any, reward_fn: Any, examples: Any, out_dir: Path):
     from scratchlm.align.evaluate import evaluate_policy, write_jsonl
-
-    examples = _examples(cfg, eval_split=True)
 
     def evaluate(step: int) -> dict[str, Any]:
         records, summary = evaluate_policy(policy, examples, template=template, reward_fn=reward_fn,
@@ -136,12 +141,13 @@ def sft_command(argv: list[str]) -> int:
     from scratchlm.align.sft import sft_train
 
     cfg = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
-    policy, template, reward_fn, out_dir = _setup(cfg)
-    pairs = sft_pairs(_examples(cfg, eval_split=False), template)
+    template, reward_fn, train, evals = _inputs(cfg)
+    pairs = sft_pairs(train, template)
     if not pairs:
         raise UserError(f"dataset {cfg.data.dataset!r} has no worked solutions to fine-tune on")
+    policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
-    evaluate = _evaluator(policy, cfg, template, reward_fn, out_dir)
+    evaluate = _evaluator(policy, cfg, template, reward_fn, evals, out_dir)
     metrics({"phase": "sft", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}})
     history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
                         progress=cfg.run.progress)
@@ -157,11 +163,12 @@ def expert_iteration_command(argv: list[str]) -> int:
 
     cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
                  "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
-    policy, template, reward_fn, out_dir = _setup(cfg)
+    template, reward_fn, train, evals = _inputs(cfg)
+    policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
-    history = expert_iteration(policy, _examples(cfg, eval_split=False), template=template, reward_fn=reward_fn,
+    history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
-                               evaluate=_evaluator(policy, cfg, template, reward_fn, out_dir), seed=cfg.run.seed,
+                               evaluate=_evaluator(policy, cfg, template, reward_fn, evals, out_dir), seed=cfg.run.seed,
                                log=metrics, progress=cfg.run.progress)
     policy.save(out_dir / "policy", step=len(history))
     return 0
@@ -170,14 +177,16 @@ def expert_iteration_command(argv: list[str]) -> int:
 def grpo_command(argv: list[str]) -> int:
     """``scratchlm grpo [config] [--section.key=value ...]``."""
     from scratchlm.align.config import GRPORunConfig
-    from scratchlm.align.grpo import grpo_train
+    from scratchlm.align.grpo import check_train_examples, grpo_train
 
     cfg = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
-    policy, template, reward_fn, out_dir = _setup(cfg)
+    template, reward_fn, train, evals = _inputs(cfg)
+    check_train_examples(train, cfg.grpo)
+    policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
-    history = grpo_train(policy, _examples(cfg, eval_split=False), template=template, reward_fn=reward_fn,
+    history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
                          grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
-                         evaluate=_evaluator(policy, cfg, template, reward_fn, out_dir), seed=cfg.run.seed,
+                         evaluate=_evaluator(policy, cfg, template, reward_fn, evals, out_dir), seed=cfg.run.seed,
                          log=metrics, progress=cfg.run.progress)
     policy.save(out_dir / "policy", step=len(history))
     return 0
@@ -255,6 +264,8 @@ def eval_math_command(argv: list[str]) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
+        if out.resolve() == Path(args.dataset).resolve():
+            raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
         out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -88,8 +89,11 @@ def quickstart_command(argv: list[str]) -> int:
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
-    if args.minutes <= 0 or args.corpus_mb <= 0 or (args.steps is not None and args.steps <= 0):
-        raise UserError("--minutes, --corpus-mb and --steps must be positive")
+    for flag, value in (("--minutes", args.minutes), ("--corpus-mb", args.corpus_mb), ("--steps", args.steps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} must be a positive number, got {value}")
+    if args.vocab_size < 257:
+        raise UserError(f"--vocab-size must be at least 257 (256 bytes and {EOT}), got {args.vocab_size}")
     run_quickstart(args, overrides)
     return 0
 
@@ -104,11 +108,11 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     out = Path(args.out)
+    # The corpus first: a bad --data must not cost the previous run in --out.
+    what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
     prepare_out_dir(out)
     data = out / "data"
     data.mkdir()
-
-    what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
     (data / "train.txt").write_text(train_text, encoding="utf-8")
     (data / "valid.txt").write_text(valid_text, encoding="utf-8")
     print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "

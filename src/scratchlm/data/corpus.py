@@ -70,7 +70,14 @@ def read_head(path: Path, max_bytes: int) -> str:
     """The first `max_bytes` of a UTF-8 file, cut at a document or line boundary."""
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
-    text = data[:max_bytes].decode("utf-8", errors="ignore")
+    head = data[:max_bytes]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason != "unexpected end of data":  # not just a character cut at max_bytes
+            raise UserError(f"{path}: not valid UTF-8 (byte 0x{head[exc.start]:02x} at offset {exc.start}); "
+                            "convert the file to UTF-8 first") from None
+        text = head[:exc.start].decode("utf-8")
     if len(data) > max_bytes:
         cut = text.rfind(EOT)
         cut = cut if cut > len(text) // 2 else text.rfind("\n")

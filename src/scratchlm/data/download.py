@@ -155,6 +155,9 @@ def _fetch_once(url: str, partial: Path, *, timeout: float, progress: bool) -> s
         raise _Retryable(f"HTTP {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
         raise _Retryable(_reason(exc.reason)) from None
+    except ValueError as exc:  # no scheme (a bare folder path), a malformed host
+        raise DownloadError(f"cannot download {url}: {exc}; a mirror is a base URL such as "
+                            "https://host/path or file:///absolute/folder") from None
     except (OSError, http.client.HTTPException) as exc:
         raise _Retryable(_reason(exc)) from None
 

@@ -201,5 +201,16 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     for name in (VOCAB_FILE, MERGES_FILE):
         if not (src / name).is_file():
             raise UserError(f"{src}: not a tokenizer directory (no {name})")
-    specials = read_special_tokens_json(src / SPECIAL_TOKENS_FILE) if (src / SPECIAL_TOKENS_FILE).is_file() else []
-    return Tokenizer.from_files(src / VOCAB_FILE, src / MERGES_FILE, specials)
+    has_specials = (src / SPECIAL_TOKENS_FILE).is_file()
+    specials = read_special_tokens_json(src / SPECIAL_TOKENS_FILE) if has_specials else []
+    tokenizer = Tokenizer.from_files(src / VOCAB_FILE, src / MERGES_FILE, specials)
+    # Every longer ordinary token comes from a merge: one that none makes could never be produced.
+    made = {left + right for left, right in tokenizer.merges}
+    special_ids = set(tokenizer.special_token_ids.values())
+    for i, token in sorted(tokenizer.vocab.items()):
+        if len(token) > 1 and i not in special_ids and token not in made:
+            why = (f"or it is a special token and {SPECIAL_TOKENS_FILE} (missing) must list it" if not has_specials
+                   else "or does not belong to this vocab.json")
+            raise UserError(f"{src}: {VOCAB_FILE} has {token.decode('utf-8', 'backslashreplace')!r} (id {i}), "
+                            f"which no merge in {MERGES_FILE} makes: {MERGES_FILE} is incomplete, {why}")
+    return tokenizer
