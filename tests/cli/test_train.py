@@ -54,3 +54,15 @@ def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
     assert eval_command([str(run), "--data", str(tmp_path / "same.bin"), "--batches", "1", "--batch-size", "2"]) == 0
     with pytest.raises(UserError, match="was encoded with another tokenizer"):
         eval_command([str(run), "--data", str(tmp_path / "other.bin"), "--batches", "1", "--batch-size", "2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--trainer.sample_top_p=0", "trainer.sample_top_p must be in"),
+    ("--trainer.sample_top_p=1.5", "trainer.sample_top_p must be in"),
+    ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be >= 0"),
+])
+def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override, message):
+    # These failed only when the samples were drawn, after the whole run had trained.
+    with pytest.raises(UserError, match=message):
+        train_command([f"--trainer.out_dir={tmp_path / 'run'}", override])
+    assert not (tmp_path / "run").exists()
