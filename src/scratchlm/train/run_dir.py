@@ -20,6 +20,11 @@ _RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoints")
 _VERSIONED = ("scratchlm", "torch", "numpy", "safetensors", "tqdm", "regex", "triton")
 
 
+def looks_like_run_dir(path: str | Path) -> bool:
+    """True when `path` holds what a training run writes (its config, metrics or checkpoints)."""
+    return any((Path(path) / m).exists() for m in _RUN_MARKERS)
+
+
 def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
     """Create or reuse `path` as a run directory, following the rules above."""
     path = Path(path)
@@ -28,7 +33,7 @@ def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()):
-        looks_like_run = any((path / m).exists() for m in _RUN_MARKERS)
+        looks_like_run = looks_like_run_dir(path)
         if overwrite:
             if not looks_like_run:
                 raise UserError(f"--overwrite refuses to delete {path}: it does not look like a run directory")
