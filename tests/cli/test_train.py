@@ -66,3 +66,12 @@ def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override,
     with pytest.raises(UserError, match=message):
         train_command([f"--trainer.out_dir={tmp_path / 'run'}", override])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", [b"[model\n", b"\xff\xfe"])
+def test_resume_names_a_damaged_run_config(tmp_path, damage):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_bytes(b"[model]\nd_model = 32\n" + damage)
+    with pytest.raises(UserError, match=f"{run / 'config.toml'}: (invalid TOML|not a TOML config)"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume"])

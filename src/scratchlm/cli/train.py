@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +65,12 @@ COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     """A resumed run must keep its model shape and optimizer (other settings, e.g. max_steps, may change)."""
-    from scratchlm.config import config_to_dict
+    from scratchlm.config import config_to_dict, read_toml
 
     saved = run_dir / "config.toml"
     if not saved.is_file():
         return
-    saved_cfg = tomllib.loads(saved.read_text(encoding="utf-8"))
+    saved_cfg = read_toml(saved)
     # The optimizer state of the checkpoint only loads into the same optimizer.
     old_optimizer = saved_cfg.get("optim", {}).get("name", "adamw")  # runs from before optim.name: AdamW
     if old_optimizer != cfg.optim.name:
