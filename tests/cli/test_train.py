@@ -75,3 +75,15 @@ def test_resume_names_a_damaged_run_config(tmp_path, damage):
     (run / "config.toml").write_bytes(b"[model]\nd_model = 32\n" + damage)
     with pytest.raises(UserError, match=f"{run / 'config.toml'}: (invalid TOML|not a TOML config)"):
         train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume"])
+
+
+def test_overwrite_refuses_to_delete_the_tokenizer_or_data_it_reads(tmp_path):
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "tokenizer" / "vocab.json").write_text("{}")
+    # The run's tokenizer copy named as data.tokenizer_dir: deleted with the run, then reported missing.
+    with pytest.raises(UserError, match="would delete data.tokenizer_dir"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--overwrite",
+                       f"--data.tokenizer_dir={run / 'tokenizer'}"])
+    assert (run / "tokenizer" / "vocab.json").is_file()

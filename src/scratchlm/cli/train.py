@@ -46,6 +46,8 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
     run_dir = Path(cfg.trainer.out_dir)
     try:
         if strategy.is_main:
+            if overwrite:
+                _check_inputs_outside(cfg, run_dir)
             prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
             if resume:
                 _check_same_model(cfg, run_dir)
@@ -57,6 +59,15 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
             trainer.logger.close()
     finally:
         strategy.close()
+
+
+def _check_inputs_outside(cfg: TrainConfig, run_dir: Path) -> None:
+    """--overwrite deletes `run_dir`: refuse when the data or tokenizer the run reads lie inside it."""
+    for key in ("train_path", "val_path", "tokenizer_dir"):
+        value = getattr(cfg.data, key)
+        if value and Path(value).resolve().is_relative_to(run_dir.resolve()):
+            raise UserError(f"--overwrite would delete data.{key} {value}, which is inside the run directory "
+                            f"{run_dir}; move it out first")
 
 
 INIT_ONLY = frozenset({"qkv_init", "zero_init_output"})  # model fields that only change the initial weights
