@@ -353,7 +353,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    from scratchlm.train.metrics import read_metrics
+
+    return read_metrics(path)
 
 
 def _fmt(value: float | None, spec: str) -> str:
