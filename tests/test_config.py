@@ -80,6 +80,11 @@ def test_invalid_toml_and_missing_preset(tmp_path):
         load_config(Outer, bad)
     with pytest.raises(ConfigError, match="not found"):
         load_config(Outer, tmp_path / "missing.toml")
+    # A run directory given for its config: it exists, so "not found" misled.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"is a directory, not a TOML file; its config is .*run/config\.toml"):
+        load_config(Outer, tmp_path / "run")
 
 
 def test_toml_round_trip():

@@ -50,6 +50,10 @@ def resolve_preset(preset: str | Path) -> Path:
             candidate = folder / f"{path.name}.toml"
             if candidate.is_file():
                 return candidate
+    if path.is_dir():
+        inside = path / "config.toml"
+        hint = f"; its config is {inside}" if inside.is_file() else ""
+        raise ConfigError(f"config {str(preset)!r} is a directory, not a TOML file{hint}")
     names = sorted({p.stem for d in preset_dirs() if d.is_dir() for p in d.glob("*.toml")})
     hint = f" (presets: {', '.join(names)})" if names else ""
     raise ConfigError(f"config {str(preset)!r} not found{hint}")

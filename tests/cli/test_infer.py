@@ -68,6 +68,14 @@ def test_generate_command_errors(ckpt):
         generate_command([str(ckpt.parent / "missing.pt"), "--device", "cpu"])
 
 
+def test_generate_command_refuses_a_tokenizer_larger_than_the_model(ckpt):
+    vocab = {**{i: bytes([i]) for i in range(256)}, 256: b"ab"}
+    bigger = tokenizer_mod.Tokenizer(vocab, [(b"a", b"b")], ["<|endoftext|>"])
+    bigger.save(ckpt.parent / "tokenizer")  # 258 tokens beside a model of 257
+    with pytest.raises(UserError, match="has 258 tokens, more than the model's vocab_size=257"):
+        generate_command([str(ckpt), "--prompt", "ab", "--device", "cpu"])
+
+
 @pytest.mark.parametrize("value", ["nan", "-1", "inf"])
 def test_generate_command_rejects_bad_temperature(ckpt, value):
     with pytest.raises(UserError, match="--temperature must be a number >= 0"):

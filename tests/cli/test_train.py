@@ -54,3 +54,36 @@ def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
     assert eval_command([str(run), "--data", str(tmp_path / "same.bin"), "--batches", "1", "--batch-size", "2"]) == 0
     with pytest.raises(UserError, match="was encoded with another tokenizer"):
         eval_command([str(run), "--data", str(tmp_path / "other.bin"), "--batches", "1", "--batch-size", "2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--trainer.sample_top_p=0", "trainer.sample_top_p must be in"),
+    ("--trainer.sample_top_p=1.5", "trainer.sample_top_p must be in"),
+    ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be >= 0"),
+])
+def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override, message):
+    # These failed only when the samples were drawn, after the whole run had trained.
+    with pytest.raises(UserError, match=message):
+        train_command([f"--trainer.out_dir={tmp_path / 'run'}", override])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", [b"[model\n", b"\xff\xfe"])
+def test_resume_names_a_damaged_run_config(tmp_path, damage):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_bytes(b"[model]\nd_model = 32\n" + damage)
+    with pytest.raises(UserError, match=f"{run / 'config.toml'}: (invalid TOML|not a TOML config)"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume"])
+
+
+def test_overwrite_refuses_to_delete_the_tokenizer_or_data_it_reads(tmp_path):
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "tokenizer" / "vocab.json").write_text("{}")
+    # The run's tokenizer copy named as data.tokenizer_dir: deleted with the run, then reported missing.
+    with pytest.raises(UserError, match="would delete data.tokenizer_dir"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--overwrite",
+                       f"--data.tokenizer_dir={run / 'tokenizer'}"])
+    assert (run / "tokenizer" / "vocab.json").is_file()

@@ -228,6 +228,19 @@ def test_export_command_refuses_to_write_into_a_checkpoint(tmp_path, capsys):
     load_trained_model(step)  # still intact
 
 
+def test_export_command_refuses_to_write_into_a_run_directory(tmp_path, capsys):
+    from scratchlm.train.checkpoint import load_trained_model
+
+    model, cfg = _model(seed=4)
+    run = _run_dir(tmp_path, model, cfg)
+    # With --overwrite the HF weights landed in RUN/, which then read as a broken step directory.
+    assert _cli([str(run), "--to", "hf", str(run), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is a scratchlm run directory" in err and "\n" not in err.strip()
+    assert not (run / "model.safetensors").exists() and not (run / "config.json").exists()
+    load_trained_model(run)  # still the run's latest checkpoint
+
+
 def test_export_command_run_dir_with_tokenizer(tmp_path):
     tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
     from scratchlm.tokenizer.train import train_bpe

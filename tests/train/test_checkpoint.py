@@ -236,3 +236,11 @@ def test_a_torch_file_without_model_weights_is_not_a_checkpoint(tmp_path):
     for name in ("state.pt", "tensor.pt"):
         with pytest.raises(UserError, match="is not a model checkpoint"):
             ckpt.load_trained_model(tmp_path / name)
+
+
+def test_a_file_torch_did_not_write_is_not_a_checkpoint_rather_than_damaged(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")  # e.g. a config or text file given by mistake
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name in ("notes.txt", "empty.pt"):
+        with pytest.raises(UserError, match="is not a model checkpoint \\(not a file torch.save wrote\\)"):
+            ckpt.load_trained_model(tmp_path / name)

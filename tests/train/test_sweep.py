@@ -99,6 +99,20 @@ def test_a_sweep_needs_validation_data_and_one_process(preset, tmp_path):
         plan_sweep(preset, ["--parallel.strategy=ddp"], parse_grid(GRID), tmp_path / "s")
 
 
+def test_the_sweep_folder_must_not_be_a_file_or_a_training_run(preset, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        plan_sweep(preset, [], parse_grid(GRID), tmp_path / "notes.txt")
+    # The points and the summary would land among a finished run's files (by default: trainer.out_dir).
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match="is the directory of a training run"):
+        plan_sweep(preset, [], parse_grid(GRID), run)
+    with pytest.raises(UserError, match="is the directory of a training run"):
+        plan_sweep(preset, [f"--trainer.out_dir={run}"], parse_grid(GRID))
+    assert [p.name for p in run.iterdir()] == ["checkpoints"]
+
+
 def test_a_2x2_sweep_writes_four_runs_and_a_summary_that_matches_their_metrics(preset, tmp_path):
     out = tmp_path / "sweep"
     points = plan_sweep(preset, [], parse_grid(GRID), out)

@@ -84,6 +84,9 @@ def generate_command(argv: list[str]) -> int:
     model.to(torch_dtype(dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer/ directory beside it, so text prompts cannot be encoded")
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer beside {args.checkpoint} has {tokenizer.vocab_size} tokens, more than the "
+                        f"model's vocab_size={cfg.vocab_size}: it is not the tokenizer the model was trained with")
     eos_id = getattr(tokenizer, "special_token_ids", {}).get(EOT)
     texts = args.prompt if args.prompt is not None else [""]
     prompts = []

@@ -161,6 +161,10 @@ def export_command(argv: list[str]) -> int:
     if (out / "model.safetensors").is_file() and (out / "config.toml").is_file():
         raise UserError(f"{out} is a scratchlm checkpoint: exporting into it would replace its weights; "
                         "choose another output directory")
+    if (out / "checkpoints").is_dir() or (out / "config.toml").is_file():
+        # Its weights beside config.toml would make it read as a step directory, not as the run.
+        raise UserError(f"{out} is a scratchlm run directory: exporting into it would hide its checkpoints; "
+                        "choose another output directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"{out} is not empty (pass --overwrite to replace its files)")
     source = Path(args.source)

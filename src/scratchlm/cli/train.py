@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,8 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
     run_dir = Path(cfg.trainer.out_dir)
     try:
         if strategy.is_main:
+            if overwrite:
+                _check_inputs_outside(cfg, run_dir)
             prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
             if resume:
                 _check_same_model(cfg, run_dir)
@@ -60,18 +61,27 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
         strategy.close()
 
 
+def _check_inputs_outside(cfg: TrainConfig, run_dir: Path) -> None:
+    """--overwrite deletes `run_dir`: refuse when the data or tokenizer the run reads lie inside it."""
+    for key in ("train_path", "val_path", "tokenizer_dir"):
+        value = getattr(cfg.data, key)
+        if value and Path(value).resolve().is_relative_to(run_dir.resolve()):
+            raise UserError(f"--overwrite would delete data.{key} {value}, which is inside the run directory "
+                            f"{run_dir}; move it out first")
+
+
 INIT_ONLY = frozenset({"qkv_init", "zero_init_output"})  # model fields that only change the initial weights
 COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model fields that only change how the same maths runs
 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     """A resumed run must keep its model shape and optimizer (other settings, e.g. max_steps, may change)."""
-    from scratchlm.config import config_to_dict
+    from scratchlm.config import config_to_dict, read_toml
 
     saved = run_dir / "config.toml"
     if not saved.is_file():
         return
-    saved_cfg = tomllib.loads(saved.read_text(encoding="utf-8"))
+    saved_cfg = read_toml(saved)
     # The optimizer state of the checkpoint only loads into the same optimizer.
     old_optimizer = saved_cfg.get("optim", {}).get("name", "adamw")  # runs from before optim.name: AdamW
     if old_optimizer != cfg.optim.name:

@@ -591,10 +591,14 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         run_dir = where.parent.parent if where.parent.name == CHECKPOINTS else where
         tokenizer_dir = run_dir / "tokenizer"
     else:
+        hint = "give a run directory, a step directory or a file written by save_checkpoint"
+        with open(where, "rb") as f:
+            magic = f.read(2)
+        if magic != b"PK" and magic[:1] != b"\x80":  # neither torch's zip format nor its legacy pickle
+            raise UserError(f"{where} is not a model checkpoint (not a file torch.save wrote); {hint}")
         payload = _torch_load(where)
         if not isinstance(payload, dict) or "model" not in payload:
-            raise UserError(f"{where} is not a model checkpoint (it holds no model weights); give a run "
-                            f"directory, a step directory or a file written by save_checkpoint")
+            raise UserError(f"{where} is not a model checkpoint (it holds no model weights); {hint}")
         if payload.get("model_config") is not None:
             cfg = from_dict(ModelConfig, payload["model_config"], where="model")
         elif (where.parent / CONFIG).is_file():

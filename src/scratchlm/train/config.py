@@ -87,6 +87,11 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not self.time_budget_s >= 0:
             raise ValueError(f"trainer.time_budget_s must be >= 0 (0 = no budget), got {self.time_budget_s}")
+        # Checked here, not when the samples are drawn after the whole run has trained.
+        if not self.sample_temperature >= 0:
+            raise ValueError(f"trainer.sample_temperature must be >= 0 (0 = greedy), got {self.sample_temperature}")
+        if not 0 < self.sample_top_p <= 1:
+            raise ValueError(f"trainer.sample_top_p must be in (0, 1], got {self.sample_top_p}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.batch_size % self.grad_accum_steps:

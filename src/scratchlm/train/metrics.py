@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from scratchlm.errors import UserError
 
 
 def train_flops_per_token(model_cfg: Any, seq_len: int | None = None) -> float:
@@ -113,9 +114,29 @@ class JsonlLogger:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """All records of a metrics.jsonl file, less a last line cut short by a killed run."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # the record the run was writing when it was killed
+            raise UserError(f"{path}: line {number} is not a JSON record") from None
+    return records
+
+
+def _ends_with_whole_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 DROPPED = "metrics.dropped.jsonl"
@@ -131,8 +152,8 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
         return
     records = read_metrics(path)
     kept = [r for r in records if r.get("step", 0) <= step]
-    if len(kept) == len(records):
-        return
+    if len(kept) == len(records) and _ends_with_whole_line(path):
+        return  # (otherwise the cut last line goes, or the next record would be appended to it)
     with open(path.with_name(DROPPED), "a", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) > step)
         f.flush()

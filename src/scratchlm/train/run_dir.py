@@ -17,7 +17,14 @@ from typing import Any
 from scratchlm.errors import UserError
 
 _RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoints")
+# What only a run that started writes: config.toml alone is too common a name to delete a folder for.
+_STARTED_RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 _VERSIONED = ("scratchlm", "torch", "numpy", "safetensors", "tqdm", "regex", "triton")
+
+
+def looks_like_run_dir(path: str | Path) -> bool:
+    """True when `path` holds what a training run writes (its config, metrics or checkpoints)."""
+    return any((Path(path) / m).exists() for m in _RUN_MARKERS)
 
 
 def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
@@ -28,10 +35,13 @@ def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()):
-        looks_like_run = any((path / m).exists() for m in _RUN_MARKERS)
+        looks_like_run = looks_like_run_dir(path)
         if overwrite:
-            if not looks_like_run:
-                raise UserError(f"--overwrite refuses to delete {path}: it does not look like a run directory")
+            if not any((path / m).exists() for m in _STARTED_RUN_MARKERS):
+                raise UserError(f"--overwrite refuses to delete {path}: it does not look like a run directory "
+                                f"(it has no {' or '.join(_STARTED_RUN_MARKERS)})")
+            if Path.cwd().resolve().is_relative_to(path.resolve()):
+                raise UserError(f"--overwrite refuses to delete {path}: it holds the current directory")
             shutil.rmtree(path)
         elif not resume:
             raise UserError(

@@ -127,6 +127,7 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
     `out` is the sweep's folder (default: the base config's ``trainer.out_dir``). Raises a
     one-line `UserError` for an unknown key or a value the config refuses, before anything runs.
     """
+    from scratchlm.train.run_dir import looks_like_run_dir
     from scratchlm.train.trainer import check_combinations
 
     base = load_config(TrainConfig, preset, overrides)
@@ -141,6 +142,10 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         if not Path(path).is_file():
             raise UserError(f"{what} {path} does not exist; encode it first with `scratchlm encode`")
     root = Path(out) if out is not None else Path(base.trainer.out_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"the sweep's folder {root} exists and is not a directory; choose another with --out")
+    if looks_like_run_dir(root):
+        raise UserError(f"the sweep's folder {root} is the directory of a training run; choose another with --out")
     points, seen = [], {}
     for values in grid_points(axes):
         name = point_name(values)
@@ -348,7 +353,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    from scratchlm.train.metrics import read_metrics
+
+    return read_metrics(path)
 
 
 def _fmt(value: float | None, spec: str) -> str:
