@@ -84,6 +84,23 @@ class Scale:
     notes: list[str] = field(default_factory=list)
 
 
+# The full scale's SFT and GRPO settings; the short scale takes them with fewer epochs and less time.
+# 3 epochs of the 7,473 worked solutions at 64 per step (~350 steps); a model trained from
+# scratch takes a far larger learning rate than the preset's (made for large pretrained ones).
+FULL_SFT = {"data.eval_limit": 200, "data.reward": "r1_zero", "sft.micro_batch_size": 32, "sft.grad_accum_steps": 2,
+    "sft.num_epochs": 3.0, "sft.log_every": 10, "optim.lr": 3e-4, "optim.warmup_steps": 20,
+    "optim.min_lr_ratio": 0.1, "sampling.batch_size": 256, "sampling.eval_max_new_tokens": 384,
+    "run.progress": False}
+# 32 questions x 8 samples per step, on-policy, a moderate learning rate after a warm-up
+# (docs/benchmarks/post_training.md), stopped by wall time after 10 minutes.
+FULL_GRPO = {"data.eval_limit": 200, "data.reward": "r1_zero", "grpo.n_grpo_steps": 400,
+    "grpo.rollout_batch_size": 256, "grpo.group_size": 8, "grpo.train_batch_size": 256,
+    "grpo.grad_accum_steps": 8, "grpo.eval_every": 25, "grpo.max_seconds": 600.0, "optim.lr": 3e-5,
+    "optim.warmup_steps": 10, "optim.min_lr_ratio": 1.0, "sampling.temperature": 1.0,
+    "sampling.max_new_tokens": 384, "sampling.eval_max_new_tokens": 384, "sampling.batch_size": 256,
+    "run.progress": False}
+
+
 SCALES = {
     # A check of the plumbing on a CPU: small slices of every source, a 0.1M-parameter model, a
     # few steps of each stage. Its accuracies are 0 and mean nothing.
@@ -114,16 +131,8 @@ SCALES = {
         tokenizer_sample_mb=64, vocab_size=16384,
         pretrain={"trainer.progress": False, "trainer.max_steps": 1500, "optim.warmup_steps": 100,
                   "trainer.eval_interval": 250, "trainer.checkpoint_interval": 250},
-        sft={"data.eval_limit": 200, "data.reward": "r1_zero", "sft.micro_batch_size": 32, "sft.grad_accum_steps": 2,
-             "sft.num_epochs": 2.0, "sft.log_every": 10, "optim.lr": 3e-4, "optim.warmup_steps": 20,
-             "optim.min_lr_ratio": 0.1, "sampling.batch_size": 256, "sampling.eval_max_new_tokens": 384,
-             "run.progress": False},
-        grpo={"data.eval_limit": 200, "data.reward": "r1_zero", "grpo.n_grpo_steps": 400,
-              "grpo.rollout_batch_size": 256, "grpo.group_size": 8, "grpo.train_batch_size": 256,
-              "grpo.grad_accum_steps": 8, "grpo.eval_every": 25, "grpo.max_seconds": 300.0, "optim.lr": 3e-5,
-              "optim.warmup_steps": 10, "optim.min_lr_ratio": 1.0, "sampling.temperature": 1.0,
-              "sampling.max_new_tokens": 384, "sampling.eval_max_new_tokens": 384, "sampling.batch_size": 256,
-              "run.progress": False},
+        sft={**FULL_SFT, "sft.num_epochs": 2.0},
+        grpo={**FULL_GRPO, "grpo.max_seconds": 300.0},
         eval_limit=0, eval_max_new_tokens=384, eval_batch_size=256,
     ),
     # One GPU (H100/H200): ~40 minutes in all, about 15 of them pretraining (configs/math-lm.toml).
@@ -131,20 +140,8 @@ SCALES = {
         book_files=["train_00.txt.zst", "train_01.txt.zst"], books_mb=0, valid_mb=0, gsm8k_limit=0,
         math_limit=0, math_repeat=4, tokenizer_sample_mb=64, vocab_size=16384,
         pretrain={"trainer.progress": False},
-        # 3 epochs of the 7,473 worked solutions at 64 per step (~350 steps); a model trained from
-        # scratch takes a far larger learning rate than the preset's (made for large pretrained ones).
-        sft={"data.eval_limit": 200, "data.reward": "r1_zero", "sft.micro_batch_size": 32, "sft.grad_accum_steps": 2,
-             "sft.num_epochs": 3.0, "sft.log_every": 10, "optim.lr": 3e-4, "optim.warmup_steps": 20,
-             "optim.min_lr_ratio": 0.1, "sampling.batch_size": 256, "sampling.eval_max_new_tokens": 384,
-             "run.progress": False},
-        # 32 questions x 8 samples per step, on-policy, a moderate learning rate after a warm-up
-        # (docs/benchmarks/post_training.md), stopped by wall time after 10 minutes.
-        grpo={"data.eval_limit": 200, "data.reward": "r1_zero", "grpo.n_grpo_steps": 400,
-              "grpo.rollout_batch_size": 256, "grpo.group_size": 8, "grpo.train_batch_size": 256,
-              "grpo.grad_accum_steps": 8, "grpo.eval_every": 25, "grpo.max_seconds": 600.0, "optim.lr": 3e-5,
-              "optim.warmup_steps": 10, "optim.min_lr_ratio": 1.0, "sampling.temperature": 1.0,
-              "sampling.max_new_tokens": 384, "sampling.eval_max_new_tokens": 384, "sampling.batch_size": 256,
-              "run.progress": False},
+        sft=FULL_SFT,
+        grpo=FULL_GRPO,
         eval_limit=0, eval_max_new_tokens=384, eval_batch_size=256,
     ),
 }
