@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 T = TypeVar("T")
 
@@ -296,4 +297,4 @@ def _toml_value(v: Any) -> str:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as TOML (the run directory's ``config.toml``)."""
-    Path(path).write_text(config_to_toml(cfg), encoding="utf-8")
+    write_text_atomic(path, config_to_toml(cfg))

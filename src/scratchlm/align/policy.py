@@ -27,6 +27,7 @@ from torch import nn
 
 from scratchlm.align.prompts import truncate_at_stop
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 
 @dataclass
@@ -178,7 +179,7 @@ class ScratchPolicy:
         run = Path(out)
         run.mkdir(parents=True, exist_ok=True)
         config_text = "[model]\n" + config_to_toml(self.model_config)
-        (run / "config.toml").write_text(config_text, encoding="utf-8")
+        write_text_atomic(run / "config.toml", config_text)
         self.tokenizer.save(run / "tokenizer")
         state = {k: v.detach().float() if v.is_floating_point() else v
                  for k, v in unwrapped_state_dict(self.model).items()}

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from scratchlm.fileio import write_text_atomic
+
 __all__ = ["environment", "write_json", "read_jsonl", "ratio", "add_ratios", "ratio_table"]
 
 
@@ -26,7 +28,7 @@ def write_json(path: str | Path, data: Any) -> Path:
     """Write ``data`` as indented JSON to ``path``, creating its folder; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    write_text_atomic(path, json.dumps(data, indent=1))
     return path
 
 

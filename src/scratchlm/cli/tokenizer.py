@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 
 def _peak_rss_mb() -> tuple[float, float]:
@@ -77,7 +78,7 @@ def train_bpe_command(argv: list[str]) -> int:
         "peak_rss_worker_mb": round(child_mb, 1),
         "tokenizer_hash": tokenizer.hash,
     }
-    (args.out / "train_bpe.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(args.out / "train_bpe.json", json.dumps(summary, indent=2) + "\n")
     if len(merges) < args.vocab_size - 256 - len(tokenizer.special_tokens):
         print(f"note: the corpus ran out of pairs after {len(merges):,} merges; "
               f"vocabulary has {tokenizer.vocab_size:,} tokens", file=sys.stderr)

@@ -30,7 +30,6 @@ This module imports torch but not ``transformers``: an export needs only ``safet
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import Tensor
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 EOS_TOKEN = "<|endoftext|>"
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -310,8 +310,9 @@ def _tokenizer_files(tokenizer: Any, out: Path, context_length: int) -> tuple[li
         source = Path(tmp) / "tokenizer.json"
         if not source.is_file():
             raise UserError("the tokenizer did not write a tokenizer.json; cannot export it")
-        shutil.copyfile(source, out / "tokenizer.json")
-    data = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+        text = source.read_text(encoding="utf-8")
+    write_text_atomic(out / "tokenizer.json", text)
+    data = json.loads(text)
     eos_id = next((t["id"] for t in data.get("added_tokens", []) if t.get("content") == EOS_TOKEN), None)
     special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN} if eos_id is not None else {}
     tokenizer_config = {
@@ -323,8 +324,8 @@ def _tokenizer_files(tokenizer: Any, out: Path, context_length: int) -> tuple[li
         **special,
     }
     files = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2) + "\n")
+    write_text_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
     return files, eos_id
 
 
@@ -351,9 +352,9 @@ def export_hf(model: torch.nn.Module, cfg: Any, out: str | Path, *, tokenizer: A
     files.append(out / "model.safetensors")
 
     config = hf_config(cfg, dtype=dtype, bos_token_id=eos_id, eos_token_id=eos_id)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     # No max_length: transformers warns when it meets max_new_tokens, the usual argument.
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     files += [out / "config.json", out / "generation_config.json"]
     return files

@@ -55,6 +55,7 @@ import regex
 
 from scratchlm.data.token_file import sidecar_path, token_dtype
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -527,9 +528,7 @@ def _load_resumable_plan(parts_dir: Path, partial: Path, source: Path, stat: os.
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _progress_bar(total: int, initial: int, enabled: bool, name: str):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 from scratchlm.tokenizer.bytes_unicode import text_to_token, token_to_text
 from scratchlm.tokenizer.pretokenize import GPT2_PAT
 
@@ -99,13 +100,13 @@ def write_vocab_json(vocab: dict[int, bytes], path: str | os.PathLike,
         if text is None:
             text = token_to_text(vocab[i])
         out.setdefault(text, i)
-    Path(path).write_text(json.dumps(out, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(out, ensure_ascii=False, indent=0) + "\n")
 
 
 def write_merges_txt(merges: Sequence[tuple[bytes, bytes]], path: str | os.PathLike) -> None:
     """Write merges as GPT-2's merges.txt."""
     lines = ["#version: 0.2"] + [f"{token_to_text(a)} {token_to_text(b)}" for a, b in merges]
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def read_special_tokens_json(path: str | os.PathLike) -> list[str]:
@@ -184,10 +185,8 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
     write_merges_txt(tokenizer.merges, out / MERGES_FILE)
     specials = {"special_tokens": [{"token": t, "id": tokenizer.special_token_ids[t]}
                                    for t in tokenizer.special_tokens]}
-    (out / SPECIAL_TOKENS_FILE).write_text(json.dumps(specials, ensure_ascii=False, indent=2) + "\n",
-                                           encoding="utf-8")
-    (out / HF_TOKENIZER_FILE).write_text(json.dumps(hf_tokenizer_json(tokenizer), ensure_ascii=False) + "\n",
-                                         encoding="utf-8")
+    write_text_atomic(out / SPECIAL_TOKENS_FILE, json.dumps(specials, ensure_ascii=False, indent=2) + "\n")
+    write_text_atomic(out / HF_TOKENIZER_FILE, json.dumps(hf_tokenizer_json(tokenizer), ensure_ascii=False) + "\n")
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

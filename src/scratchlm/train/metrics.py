@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 
 def train_flops_per_token(model_cfg: Any, seq_len: int | None = None) -> float:
@@ -158,9 +159,7 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) > step)
         f.flush()
         os.fsync(f.fileno())
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class WandbLogger:

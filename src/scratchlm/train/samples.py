@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from scratchlm.fileio import write_text_atomic
 from scratchlm.train.config import TrainConfig
 
 log = logging.getLogger("scratchlm.train")
@@ -41,7 +42,7 @@ def write_samples(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path, devic
                     eos_id=eos_id, seed=tc.seed)
     texts = [prompt + tokenizer.decode([t for t in out if t != eos_id]) for prompt, out in zip(prompts, outs)]
     sep = "\n" + "-" * 72 + "\n"
-    (run_dir / "samples.txt").write_text(sep.join(texts) + "\n", encoding="utf-8")
+    write_text_atomic(run_dir / "samples.txt", sep.join(texts) + "\n")
     print(f"samples ({run_dir / 'samples.txt'}):", file=sys.stdout)
     print(sep.join(texts), file=sys.stdout)
     return texts

@@ -36,6 +36,7 @@ from typing import Any
 
 from scratchlm.config import config_to_toml, load_config
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 from scratchlm.train.config import TrainConfig
 
 log = logging.getLogger("scratchlm.train")
@@ -366,7 +367,7 @@ def write_summary(rows: Sequence[dict[str, Any]], out: str | Path) -> tuple[Path
     """``summary.jsonl`` (one row a line) and ``summary.md`` (a table, best final loss in bold)."""
     out = Path(out)
     jsonl = out / "summary.jsonl"
-    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    write_text_atomic(jsonl, "".join(json.dumps(row) + "\n" for row in rows))
     keys = list(rows[0]["values"]) if rows else []
     done = [r for r in rows if r["final_val_loss"] is not None]
     best = min(done, key=lambda r: r["final_val_loss"]) if done else None
@@ -384,7 +385,7 @@ def write_summary(rows: Sequence[dict[str, Any]], out: str | Path) -> tuple[Path
     if best is not None:
         lines += ["", f"Lowest final validation loss: {best['name']} ({best['final_val_loss']:.4f})."]
     md = out / "summary.md"
-    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(md, "\n".join(lines) + "\n")
     return jsonl, md
 
 

@@ -70,6 +70,7 @@ import torch
 from scratchlm.config import config_to_dict, config_to_toml
 from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
 from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
@@ -202,7 +203,7 @@ class Trainer:
             and self._has_record("end", self.step)
         if self.is_main and not self.finished:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(self.config_text, encoding="utf-8")
+            write_text_atomic(self.run_dir / "config.toml", self.config_text)
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
         if not resume and self.is_main and (self.run_dir / "metrics.jsonl").exists():
             truncate_metrics(self.run_dir / "metrics.jsonl", -1)  # a fresh run starts a fresh log

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scratchlm import fileio
+from scratchlm.fileio import write_text_atomic
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_writes_a_new_file_and_replaces_an_old_one(tmp_path):
+    path = tmp_path / "config.toml"
+    assert write_text_atomic(path, "a = 1\n") == path
+    assert path.read_text(encoding="utf-8") == "a = 1\n"
+    write_text_atomic(str(path), "naïve = \"café\"\n")
+    assert path.read_text(encoding="utf-8") == "naïve = \"café\"\n"
+    assert _names(tmp_path) == ["config.toml"]
+
+
+def test_the_new_file_has_the_permissions_write_text_gives(tmp_path):
+    (tmp_path / "plain.txt").write_text("x", encoding="utf-8")
+    write_text_atomic(tmp_path / "atomic.txt", "x")
+    assert (tmp_path / "atomic.txt").stat().st_mode == (tmp_path / "plain.txt").stat().st_mode
+
+
+class _CutWriter:
+    """A text file whose write stores the first half of the text, then fails (a full disk)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+    def write(self, text: str) -> int:
+        self.f.write(text[: len(text) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "vocab.json"
+    path.write_text('{"old": 0}\n', encoding="utf-8")
+    monkeypatch.setattr(fileio, "open", lambda *a, **k: _CutWriter(builtins.open(*a, **k)), raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        write_text_atomic(path, json.dumps({f"token{i}": i for i in range(1000)}))
+    assert path.read_text(encoding="utf-8") == '{"old": 0}\n'
+    assert _names(tmp_path) == ["vocab.json"]
+
+
+def test_a_failed_fsync_replaces_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "samples.txt"
+    path.write_text("old\n", encoding="utf-8")
+
+    def fail(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fileio.os, "fsync", fail)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_text_atomic(path, "new\n")
+    assert path.read_text(encoding="utf-8") == "old\n" and _names(tmp_path) == ["samples.txt"]
+
+
+# Each snippet writes something big into DIR through one of the callers, in a process whose
+# file size limit (RLIMIT_FSIZE) makes every write past LIMIT bytes fail with EFBIG: the way a
+# full disk, or a process killed mid-write, cuts a file short.
+LIMIT = 512
+CALLERS = {
+    "save_tokenizer": """
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+        vocab = {i: bytes([i]) for i in range(256)}
+        merges = [(b"a", b"b"), (b"ab", b"c"), (b"abc", b"d")]
+        vocab.update({256 + k: a + b for k, (a, b) in enumerate(merges)})
+        Tokenizer(vocab, merges, ["<|endoftext|>", "<|pad|>"]).save(DIR)
+    """,
+    "save_config": """
+        from scratchlm.config import save_config
+        from scratchlm.train.config import TrainConfig
+        save_config(TrainConfig(), DIR / "config.toml")
+    """,
+    "bench_write_json": """
+        from scratchlm.bench.results import write_json
+        write_json(DIR / "results.json", [{"row": i, "tokens_per_s": 1e6} for i in range(100)])
+    """,
+}
+
+
+def _old_files(directory: Path) -> None:
+    """Small versions of the files the callers write (the content a failed write must keep)."""
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(directory)
+    (directory / "config.toml").write_text("[model]\nd_model = 64\n", encoding="utf-8")
+    (directory / "results.json").write_text("[]", encoding="utf-8")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs RLIMIT_FSIZE")
+@pytest.mark.parametrize("caller", sorted(CALLERS))
+def test_a_caller_cut_short_by_a_file_size_limit_keeps_its_old_files(tmp_path, caller):
+    _old_files(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    script = textwrap.dedent("""
+        import resource, signal, sys
+        from pathlib import Path
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        DIR = Path(sys.argv[1])
+        try:
+        {body}
+        except OSError as exc:
+            print("failed:", exc.strerror)
+        else:
+            print("written")
+    """).format(limit=LIMIT, body=textwrap.indent(textwrap.dedent(CALLERS[caller]).strip(), "    "))
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "failed: File too large"
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing cut, nothing left over
