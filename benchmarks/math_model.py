@@ -374,7 +374,7 @@ class Pipeline:
         sample = self.data / "tokenizer_sample.txt"
         sample = sample if sample.is_file() else self.data / "train.txt"
         self.scratchlm(["train-bpe", str(sample), "--vocab-size", str(self.scale.vocab_size),
-                       "--special-token", EOT, "--out", str(self.tokenizer), "--quiet"])
+                       "--special-token", EOT, "--out", str(self.tokenizer), "--overwrite", "--quiet"])
         return {"train_bpe": json.loads((self.tokenizer / "train_bpe.json").read_text(encoding="utf-8"))}
 
     def stage_encode(self, redone: bool) -> dict[str, Any]:

@@ -72,3 +72,49 @@ def test_tokenizer_stats_max_mb_must_be_a_positive_number(tmp_path, corpus, caps
     assert main(["tokenizer-stats", str(tmp_path), str(corpus), "--max-mb", value]) == 2
     err = capsys.readouterr().err.strip()
     assert "--max-mb must be a positive number" in err and "\n" not in err
+
+
+def test_train_bpe_refuses_to_replace_a_tokenizer_before_training(corpus, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "tok"
+    assert main(["train-bpe", str(corpus), "--vocab-size", "400", "--out", str(out), "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr("scratchlm.tokenizer.train.train_bpe", no_training)
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"scratchlm train-bpe: error: {out} already holds a tokenizer: vocab.json, merges.txt, "
+                   "special_tokens.json, tokenizer.json (pass --overwrite to replace it)")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # One tokenizer file is enough to refuse.
+    (out / "vocab.json").unlink()
+    (out / "special_tokens.json").unlink()
+    (out / "tokenizer.json").unlink()
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(out), "--quiet"]) == 2
+    assert "already holds a tokenizer: merges.txt (pass --overwrite" in capsys.readouterr().err
+
+
+def test_train_bpe_overwrite_replaces_the_tokenizer(corpus, tmp_path):
+    out = tmp_path / "tok"
+    train_bpe_command([str(corpus), "--vocab-size", "400", "--out", str(out), "--quiet"])
+    assert train_bpe_command([str(corpus), "--vocab-size", "300", "--special-token", "<|endoftext|>",
+                              "--out", str(out), "--overwrite", "--quiet"]) == 0
+    tok = Tokenizer.load(out)
+    vocab, merges = train_bpe(corpus, 300, ["<|endoftext|>"])
+    assert tok.vocab == vocab and tok.merges == merges and tok.eot_id == 299
+    assert json.loads((out / "train_bpe.json").read_text())["vocab_size"] == 300
+
+
+def test_train_bpe_writes_into_an_empty_folder_or_one_without_a_tokenizer(corpus, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train_bpe_command([str(corpus), "--vocab-size", "300", "--out", str(empty), "--quiet"]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("corpus notes\n")
+    assert train_bpe_command([str(corpus), "--vocab-size", "300", "--out", str(other), "--quiet"]) == 0
+    assert Tokenizer.load(empty).hash == Tokenizer.load(other).hash
+    assert (other / "notes.txt").read_text() == "corpus notes\n"

@@ -44,15 +44,20 @@ def train_bpe_command(argv: list[str]) -> int:
     parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
                         metavar="TOKEN", help="special token, e.g. '<|endoftext|>' (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="tokenizer directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
     parser.add_argument("--workers", type=_positive, default=None, help="pretokenization processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
+    from scratchlm.tokenizer.io import TOKENIZER_FILES
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train import train_bpe
 
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"{args.out}: exists and is not a directory")
+    found = [name for name in TOKENIZER_FILES if (args.out / name).exists()]
+    if found and not args.overwrite:
+        raise UserError(f"{args.out} already holds a tokenizer: {', '.join(found)} (pass --overwrite to replace it)")
     start = time.perf_counter()
     timings: dict[str, float] = {}
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_tokens, workers=args.workers,

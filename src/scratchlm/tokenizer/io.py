@@ -33,6 +33,7 @@ VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE, HF_TOKENIZER_FILE)
 
 
 def _read_text(path: str | os.PathLike, what: str) -> str:
