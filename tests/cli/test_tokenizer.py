@@ -118,3 +118,16 @@ def test_train_bpe_writes_into_an_empty_folder_or_one_without_a_tokenizer(corpus
     assert train_bpe_command([str(corpus), "--vocab-size", "300", "--out", str(other), "--quiet"]) == 0
     assert Tokenizer.load(empty).hash == Tokenizer.load(other).hash
     assert (other / "notes.txt").read_text() == "corpus notes\n"
+
+
+@pytest.mark.parametrize("special", ["#", "\n"])
+def test_train_bpe_with_a_one_byte_special_token_loads_back_what_was_trained(corpus, tmp_path, special):
+    out = tmp_path / "tok"
+    assert train_bpe_command([str(corpus), "--vocab-size", "400", "--special-token", "<|endoftext|>",
+                              "--special-token", special, "--out", str(out), "--quiet"]) == 0
+    vocab, merges = train_bpe(corpus, 400, ["<|endoftext|>", special])
+    tok = Tokenizer.load(out)
+    assert tok.vocab == vocab and tok.merges == merges
+    assert tok.special_token_ids == {"<|endoftext|>": 398, special: 399}
+    assert tok.encode(f"a{special}b") == tok.encode("a") + [399] + tok.encode("b")
+    assert json.loads((out / "train_bpe.json").read_text())["tokenizer_hash"] == tok.hash

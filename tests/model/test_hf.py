@@ -271,6 +271,30 @@ def test_export_command_run_dir_with_tokenizer(tmp_path):
         torch.testing.assert_close(llama(input_ids=x).logits, model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_export_refuses_a_tokenizer_that_a_tokenizer_json_cannot_hold(tmp_path, capsys):
+    # The special token "#" (the last id) has the text of the byte token "#" (id 35): Hugging Face
+    # would map the special token to id 35.
+    tokenizer_mod = pytest.importorskip("scratchlm.tokenizer.tokenizer")
+    from scratchlm.tokenizer.train import train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Once upon a time there was a cat.#The cat sat on a mat, happily!\n" * 30)
+    vocab, merges = train_bpe(corpus, 300, ["#"])
+    tok = tokenizer_mod.Tokenizer(vocab, merges, ["#"])
+    special_id = tok.special_token_ids["#"]
+    assert special_id == max(tok.vocab) > 255
+    model, cfg = _model_with_vocab(len(vocab))
+    run = _run_dir(tmp_path, model, cfg, tokenizer=tok)
+    out = tmp_path / "hf"
+    assert _cli([str(run), "--to", "hf", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"scratchlm export: error: cannot export the tokenizer: the special token '#' (id {special_id}) has the "
+        "text of token 35, which a Hugging Face tokenizer.json cannot hold apart\n")
+    assert not out.exists()
+    with pytest.raises(UserError, match="the tokenizer did not write a tokenizer.json"):
+        export_hf(model, cfg, out, tokenizer=tok)
+
+
 def _model_with_vocab(vocab_size: int):
     cfg = ModelConfig(**{**TINY, "vocab_size": vocab_size})
     torch.manual_seed(5)

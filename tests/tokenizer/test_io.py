@@ -7,11 +7,13 @@ import pytest
 
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.bytes_unicode import BYTE_TO_CHAR, text_to_token, token_to_text
-from scratchlm.tokenizer.io import read_merges_txt, read_vocab_json
+from scratchlm.tokenizer.io import (
+    _hf_document, _vocab_texts, hf_tokenizer_json, read_merges_txt, read_vocab_json,
+)
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 from ._text import random_text
-from .conftest import EOT
+from .conftest import EOT, tiktoken_from
 
 SAMPLES = [
     "Hello, World!  It's a test.\n\n\tIndented\r\n", "1234567890 3.14 ½", "naïve café 日本語 😀👍🏽",
@@ -110,3 +112,116 @@ def test_a_missing_special_tokens_file_or_cut_merges_are_errors(trained, tmp_pat
     merges.write_text("".join(merges.read_text(encoding="utf-8").splitlines(keepends=True)[:-5]), encoding="utf-8")
     with pytest.raises(UserError, match="which no merge in merges.txt makes: merges.txt is incomplete"):
         Tokenizer.load(tmp_path / "cut")
+
+
+# Special tokens whose text is also an ordinary token's vocab.json text: one byte's ("#", "!",
+# "a"; "é" is byte 0xe9's text, "Ċ" byte 0x0a's) or a merged token's ("Ġthe" is b" the"'s). The
+# one-byte "\n" (byte 0x0a is "Ċ" in vocab.json) and "<|pad|>" share their text with no token.
+SHARED_TEXT = ["#", "!", "a", "é", "Ċ", "Ġthe"]
+SPECIALS = SHARED_TEXT + ["\n", "<|pad|>"]
+
+
+def _train_with(special: str, tmp_path) -> Tokenizer:
+    from scratchlm.tokenizer.train import train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((f"the cat # sat on the mat! the dog ran, café.\nthe end{special}a hat{EOT}") * 40,
+                      encoding="utf-8")
+    vocab, merges = train_bpe(corpus, 300, [EOT, special], workers=1)
+    return Tokenizer(vocab, merges, [EOT, special])
+
+
+@pytest.mark.parametrize("special", SPECIALS)
+def test_special_tokens_sharing_a_tokens_text_round_trip(special, tmp_path):
+    tok = _train_with(special, tmp_path)
+    assert tok.special_token_ids[special] == max(tok.vocab)  # appended after the bytes and merges
+    if special == "Ġthe":
+        assert b" the" in tok.vocab.values()
+    tok.save(tmp_path / "tok")
+    loaded = Tokenizer.load(tmp_path / "tok")
+    assert loaded.vocab == tok.vocab and loaded.merges == tok.merges and loaded.vocab_size == tok.vocab_size
+    assert loaded.special_token_ids == tok.special_token_ids and loaded.hash == tok.hash
+    reference = tiktoken_from(tok)
+    rng = random.Random(1)
+    texts = SAMPLES + [f"the cat{special}# sat!\nĊ é a the Ġthe{EOT}{special}{special}x"]
+    texts += [random_text(rng, 200, (EOT, special, "#", "a", " the")) for _ in range(20)]
+    for text in texts:
+        ids = loaded.encode(text)
+        assert ids == tok.encode(text) == reference.encode(text, allowed_special="all")
+        assert loaded.decode(ids) == text
+        assert loaded.encode_ordinary(text) == reference.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("special", SHARED_TEXT)
+def test_vocab_json_keeps_the_ordinary_token_and_stays_readable_by_gpt2_tools(special, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = _train_with(special, tmp_path)
+    tok.save(tmp_path / "tok")
+    written = json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8"))
+    ordinary = {i for i in tok.vocab if i not in tok.special_token_ids.values()}
+    assert set(written.values()) == ordinary | {tok.eot_id}  # the special is in special_tokens.json only
+    assert written[special] != tok.special_token_ids[special]
+    bpe = tokenizers.ByteLevelBPETokenizer(str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt"))
+    text = "the cat # sat on the mat! café\nthe end a hat"
+    assert bpe.encode(text).ids == tok.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("special", ["\n", "<|pad|>"])
+def test_hf_tokenizer_json_of_special_tokens_with_a_text_of_their_own_gives_same_ids(special, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = _train_with(special, tmp_path)
+    tok.save(tmp_path / "tok")
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    rng = random.Random(2)
+    texts = SAMPLES + [random_text(rng, 200, (EOT, special)) for _ in range(20)]
+    for text in texts:
+        ids = tok.encode(text)
+        assert hf.encode(text).ids == ids
+        assert hf.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+    assert hf.token_to_id(special) == tok.special_token_ids[special]
+
+
+@pytest.mark.parametrize("special", SHARED_TEXT)
+def test_no_hf_tokenizer_json_for_a_special_token_sharing_a_tokens_text(special, tmp_path, caplog):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = _train_with(special, tmp_path)
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}", encoding="utf-8")  # an older tokenizer's
+    with caplog.at_level("WARNING", logger="scratchlm.tokenizer"):
+        tok.save(out)
+    assert sorted(p.name for p in out.iterdir()) == ["merges.txt", "special_tokens.json", "vocab.json"]
+    assert f"no tokenizer.json written: the special token {special!r} (id {tok.special_token_ids[special]})" \
+        in caplog.text
+    with pytest.raises(UserError, match="cannot hold apart"):
+        hf_tokenizer_json(tok)
+    # Why: written anyway, Hugging Face gives the added token the id of the ordinary token with its text.
+    texts, _ = _vocab_texts(tok.vocab, tok.special_token_ids)
+    hf = tokenizers.Tokenizer.from_str(json.dumps(_hf_document(tok, texts)))
+    assert hf.token_to_id(special) == texts[special] != tok.special_token_ids[special]
+
+
+def test_two_ordinary_tokens_with_the_same_bytes_are_refused_before_anything_is_written(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"ab", 257: b"ab"}
+    tok = Tokenizer(vocab, [(b"a", b"b")], [EOT])
+    with pytest.raises(UserError, match=r"ids 256 and 257 of the vocabulary are the same token b'ab'"):
+        tok.save(tmp_path / "tok")
+    assert not (tmp_path / "tok").exists()
+
+
+def test_special_tokens_json_that_disagrees_with_vocab_json_is_an_error(trained, tmp_path):
+    trained.save(tmp_path / "tok")
+    path = tmp_path / "tok" / "special_tokens.json"
+    for entries, message in [
+        ([{"token": EOT, "id": 5}], r"id 5 is .*, but special_tokens.json gives it to the special token '<\|endoftext"),
+        ([{"token": EOT, "id": trained.eot_id}, {"token": "<|pad|>", "id": 99_999}],
+         r"has no id 99999, which special_tokens.json gives to '<\|pad\|>'"),
+        ([{"token": EOT, "id": trained.eot_id}, {"token": "<|pad|>", "id": trained.eot_id}],
+         "two special tokens have the same id"),
+    ]:
+        path.write_text(json.dumps({"special_tokens": entries}), encoding="utf-8")
+        with pytest.raises(UserError, match=message):
+            Tokenizer.load(tmp_path / "tok")
+    path.write_text(json.dumps([EOT]), encoding="utf-8")  # a list of tokens without ids reads as before
+    loaded = Tokenizer.load(tmp_path / "tok")
+    assert loaded.vocab == trained.vocab and loaded.special_token_ids == trained.special_token_ids

@@ -176,6 +176,12 @@ def export_command(argv: list[str]) -> int:
 
     model, cfg, tokenizer = load_trained_model(source, device="cpu")
     check_exportable(cfg)
+    if tokenizer is not None:
+        from scratchlm.tokenizer.io import hf_unsupported
+
+        why = hf_unsupported(tokenizer)
+        if why is not None:
+            raise UserError(f"cannot export the tokenizer: {why}")
     if out.is_dir():
         # Files of an earlier export that this one might not rewrite (e.g. tokenizer files).
         for name in EXPORT_FILES:

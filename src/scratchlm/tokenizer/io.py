@@ -11,13 +11,21 @@ A tokenizer directory holds:
 - ``tokenizer.json``: the same tokenizer for the Hugging Face ``tokenizers`` library (GPT-2
   split regex, byte-level alphabet, BPE model, special tokens as added tokens); it gives the
   same ids. It is written for other tools and never read back here.
+
+A special token whose literal text is also an ordinary token's text form (``#`` is byte 0x23's,
+``é`` byte 0xe9's, ``Ġthe`` that of ``b" the"``) cannot have its own key in vocab.json: the
+ordinary token keeps the key and the special token is only in special_tokens.json, whose ids
+``load_tokenizer`` reads, so saving and loading give back the same tokenizer. A Hugging Face
+tokenizer.json cannot hold such a pair apart either (an added token whose text is in the model's
+vocabulary takes that token's id), so none is written for such a tokenizer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +43,8 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_FILES = (VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE, HF_TOKENIZER_FILE)
 
+log = logging.getLogger("scratchlm.tokenizer")
+
 
 def _read_text(path: str | os.PathLike, what: str) -> str:
     path = Path(path)
@@ -46,10 +56,15 @@ def _read_text(path: str | os.PathLike, what: str) -> str:
         raise UserError(f"{path}: not valid UTF-8 at byte offset {exc.start}") from None
 
 
-def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = ()) -> dict[int, bytes]:
+def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = (),
+                    special_ids: Mapping[str, int] | None = None) -> dict[int, bytes]:
     """id -> token bytes from a GPT-2-style vocab.json.
 
-    Entries equal to a special token, or not in byte-to-unicode form, are read as literal UTF-8.
+    With ``special_ids`` (token -> id, as special_tokens.json records them) the entries at those
+    ids are the special tokens, and a special token whose text vocab.json gives to an ordinary
+    token (see the module's docstring) is added at its id; ``special_tokens`` is then not used.
+    Without them (GPT-2's own encoder.json), entries equal to a special token are read as
+    literal UTF-8. Entries not in byte-to-unicode form are read as literal UTF-8 either way.
     """
     try:
         raw = json.loads(_read_text(path, "vocab file"))
@@ -57,21 +72,38 @@ def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = ())
         raise UserError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a JSON object mapping token text to id")
-    specials = set(special_tokens)
+    special_at = {i: t for t, i in (special_ids or {}).items()}
+    specials = set(special_tokens) if special_ids is None else set()
     vocab: dict[int, bytes] = {}
     for text, i in raw.items():
         if not isinstance(i, int) or i < 0:
             raise UserError(f"{path}: id of {text!r} must be a non-negative integer, got {i!r}")
         if i in vocab:
             raise UserError(f"{path}: id {i} appears twice")
-        if text in specials:
+        if i in special_at:
+            token = special_at[i].encode("utf-8")
+            if text != special_at[i] and _text_form_bytes(text) != token:
+                raise UserError(f"{path}: id {i} is {text!r}, but {SPECIAL_TOKENS_FILE} gives it to the special "
+                                f"token {special_at[i]!r}")
+            vocab[i] = token
+        elif text in specials:
             vocab[i] = text.encode("utf-8")
-            continue
-        try:
-            vocab[i] = text_to_token(text)
-        except ValueError:
-            vocab[i] = text.encode("utf-8")
+        else:
+            vocab[i] = _text_form_bytes(text)
+    for i, token in sorted(special_at.items()):
+        if i not in vocab:
+            if token not in raw:  # (else the ordinary token raw[token] has its text)
+                raise UserError(f"{path}: has no id {i}, which {SPECIAL_TOKENS_FILE} gives to {token!r}")
+            vocab[i] = token.encode("utf-8")
     return vocab
+
+
+def _text_form_bytes(text: str) -> bytes:
+    """The bytes of a vocab.json entry: its byte-to-unicode form, or else its literal UTF-8."""
+    try:
+        return text_to_token(text)
+    except ValueError:
+        return text.encode("utf-8")
 
 
 def read_merges_txt(path: str | os.PathLike) -> list[tuple[bytes, bytes]]:
@@ -91,17 +123,35 @@ def read_merges_txt(path: str | os.PathLike) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_vocab_json(vocab: dict[int, bytes], path: str | os.PathLike,
-                     special_ids: dict[str, int] | None = None) -> None:
-    """Write id -> bytes as GPT-2's vocab.json (special tokens as literal text)."""
-    literal = {i: t for t, i in (special_ids or {}).items()}
-    out: dict[str, int] = {}
+def _vocab_texts(vocab: dict[int, bytes],
+                 special_ids: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """vocab.json's ``{text: id}`` (in id order), and the special tokens it leaves out.
+
+    Ordinary tokens are in byte-to-unicode form, special tokens (``special_ids``: token -> id)
+    their literal text. A special token whose text is also an ordinary token's is left out (the
+    second dict maps it to that ordinary token's id): a JSON object holds a key once, and the
+    ordinary token keeps it. Two ordinary tokens with the same bytes raise ``UserError``, since
+    only one of them could be written.
+    """
+    special_at = {i: t for t, i in (special_ids or {}).items() if i in vocab}
+    texts: dict[str, int] = {}
     for i in sorted(vocab):
-        text = literal.get(i)
-        if text is None:
+        if i not in special_at:
             text = token_to_text(vocab[i])
-        out.setdefault(text, i)
-    write_text_atomic(path, json.dumps(out, ensure_ascii=False, indent=0) + "\n")
+            if text in texts:
+                raise UserError(f"ids {texts[text]} and {i} of the vocabulary are the same token "
+                                f"{vocab[i]!r}; a vocab.json can hold only one of them")
+            texts[text] = i
+    left_out = {t: texts[t] for t in special_at.values() if t in texts}
+    texts.update((t, i) for i, t in special_at.items() if t not in left_out)
+    return dict(sorted(texts.items(), key=lambda item: item[1])), left_out
+
+
+def write_vocab_json(vocab: dict[int, bytes], path: str | os.PathLike,
+                     special_ids: Mapping[str, int] | None = None) -> None:
+    """Write id -> bytes as GPT-2's vocab.json (special tokens as literal text; see ``_vocab_texts``)."""
+    texts, _ = _vocab_texts(vocab, special_ids)
+    write_text_atomic(path, json.dumps(texts, ensure_ascii=False, indent=0) + "\n")
 
 
 def write_merges_txt(merges: Sequence[tuple[bytes, bytes]], path: str | os.PathLike) -> None:
@@ -112,6 +162,11 @@ def write_merges_txt(merges: Sequence[tuple[bytes, bytes]], path: str | os.PathL
 
 def read_special_tokens_json(path: str | os.PathLike) -> list[str]:
     """Special tokens from special_tokens.json (a list of strings is also accepted)."""
+    return [token for token, _ in _special_token_entries(path)]
+
+
+def _special_token_entries(path: str | os.PathLike) -> list[tuple[str, int | None]]:
+    """(token, id) of each special token in special_tokens.json; the id is None where none is given."""
     try:
         raw = json.loads(_read_text(path, "special tokens file"))
     except json.JSONDecodeError as exc:
@@ -119,13 +174,30 @@ def read_special_tokens_json(path: str | os.PathLike) -> list[str]:
     entries = raw.get("special_tokens", []) if isinstance(raw, dict) else raw
     if not isinstance(entries, list):
         raise UserError(f"{path}: expected a list of special tokens")
-    tokens = []
+    out: list[tuple[str, int | None]] = []
     for entry in entries:
         token = entry.get("token") if isinstance(entry, dict) else entry
-        if not isinstance(token, str) or not token:
+        i = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(token, str) or not token or (i is not None and (not isinstance(i, int) or i < 0)):
             raise UserError(f"{path}: bad special token entry {entry!r}")
-        tokens.append(token)
-    return tokens
+        out.append((token, i))
+    ids = [i for _, i in out if i is not None]
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{path}: two special tokens have the same id")
+    return out
+
+
+def hf_unsupported(tokenizer: Tokenizer) -> str | None:
+    """Why a Hugging Face tokenizer.json cannot hold the tokenizer (see the module's docstring), or None."""
+    _, left_out = _vocab_texts(tokenizer.vocab, tokenizer.special_token_ids)
+    return _no_hf_file(tokenizer, left_out) if left_out else None
+
+
+def _no_hf_file(tokenizer: Tokenizer, left_out: dict[str, int]) -> str:
+    """Why a Hugging Face tokenizer.json cannot hold the tokenizer (``left_out`` from ``_vocab_texts``)."""
+    special, i = next(iter(left_out.items()))
+    return (f"the special token {special!r} (id {tokenizer.special_token_ids[special]}) has the text of token "
+            f"{i}, which a Hugging Face {HF_TOKENIZER_FILE} cannot hold apart")
 
 
 def hf_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -134,14 +206,17 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
     Pre-tokenization is GPT-2's regex (Split, isolated) followed by ByteLevel without its own
     regex; the BPE model has the byte-level vocabulary and the merges, with ``ignore_merges``
     (a pretoken that is a whole token maps to it, as here and in tiktoken); special tokens are
-    added tokens, matched before pre-tokenization (longest first, as here).
+    added tokens, matched before pre-tokenization (longest first, as here). ``UserError`` for
+    a tokenizer that a tokenizer.json cannot hold.
     """
+    vocab, left_out = _vocab_texts(tokenizer.vocab, tokenizer.special_token_ids)
+    if left_out:
+        raise UserError(_no_hf_file(tokenizer, left_out))
+    return _hf_document(tokenizer, vocab)
+
+
+def _hf_document(tokenizer: Tokenizer, vocab: dict[str, int]) -> dict[str, Any]:
     special_ids = tokenizer.special_token_ids
-    special_by_id = {i: t for t, i in special_ids.items()}
-    vocab: dict[str, int] = {}
-    for i in sorted(tokenizer.vocab):
-        text = special_by_id.get(i)
-        vocab.setdefault(token_to_text(tokenizer.vocab[i]) if text is None else text, i)
     return {
         "version": "1.0",
         "truncation": None,
@@ -177,17 +252,26 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
-    """Write the four tokenizer files into directory (created if needed)."""
+    """Write the four tokenizer files into directory (created if needed).
+
+    tokenizer.json is left out (and an older one removed), with a warning, for a tokenizer
+    that has a special token with an ordinary token's text (see the module's docstring).
+    """
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory")
+    texts, left_out = _vocab_texts(tokenizer.vocab, tokenizer.special_token_ids)  # (may refuse: nothing written yet)
     out.mkdir(parents=True, exist_ok=True)
-    write_vocab_json(tokenizer.vocab, out / VOCAB_FILE, tokenizer.special_token_ids)
+    write_text_atomic(out / VOCAB_FILE, json.dumps(texts, ensure_ascii=False, indent=0) + "\n")
     write_merges_txt(tokenizer.merges, out / MERGES_FILE)
     specials = {"special_tokens": [{"token": t, "id": tokenizer.special_token_ids[t]}
                                    for t in tokenizer.special_tokens]}
     write_text_atomic(out / SPECIAL_TOKENS_FILE, json.dumps(specials, ensure_ascii=False, indent=2) + "\n")
-    write_text_atomic(out / HF_TOKENIZER_FILE, json.dumps(hf_tokenizer_json(tokenizer), ensure_ascii=False) + "\n")
+    if left_out:
+        (out / HF_TOKENIZER_FILE).unlink(missing_ok=True)
+        log.warning("%s: no %s written: %s", out, HF_TOKENIZER_FILE, _no_hf_file(tokenizer, left_out))
+        return
+    write_text_atomic(out / HF_TOKENIZER_FILE, json.dumps(_hf_document(tokenizer, texts), ensure_ascii=False) + "\n")
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
@@ -202,8 +286,19 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         if not (src / name).is_file():
             raise UserError(f"{src}: not a tokenizer directory (no {name})")
     has_specials = (src / SPECIAL_TOKENS_FILE).is_file()
-    specials = read_special_tokens_json(src / SPECIAL_TOKENS_FILE) if has_specials else []
-    tokenizer = Tokenizer.from_files(src / VOCAB_FILE, src / MERGES_FILE, specials)
+    entries = _special_token_entries(src / SPECIAL_TOKENS_FILE) if has_specials else []
+    specials = [token for token, _ in entries]
+    if all(i is not None for _, i in entries):
+        # The special tokens are the ids special_tokens.json gives them, whatever vocab.json's text.
+        ids = dict(entries)
+        vocab = read_vocab_json(src / VOCAB_FILE, special_ids=ids)
+        tokenizer = Tokenizer(vocab, read_merges_txt(src / MERGES_FILE), specials)
+        for token, i in ids.items():
+            if tokenizer.special_token_ids[token] != i:
+                raise UserError(f"{src}: {SPECIAL_TOKENS_FILE} gives {token!r} id {i}, but {VOCAB_FILE} also has "
+                                f"it at id {tokenizer.special_token_ids[token]}")
+    else:  # a list of special tokens without ids
+        tokenizer = Tokenizer.from_files(src / VOCAB_FILE, src / MERGES_FILE, specials)
     # Every longer ordinary token comes from a merge: one that none makes could never be produced.
     made = {left + right for left, right in tokenizer.merges}
     special_ids = set(tokenizer.special_token_ids.values())

@@ -259,7 +259,8 @@ class Tokenizer:
         return load_tokenizer(directory)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write vocab.json, merges.txt, special_tokens.json and a Hugging Face tokenizer.json."""
+        """Write vocab.json, merges.txt, special_tokens.json and a Hugging Face tokenizer.json (where one
+        can hold this tokenizer: see ``scratchlm.tokenizer.io``)."""
         from scratchlm.tokenizer.io import save_tokenizer
 
         save_tokenizer(self, directory)
