@@ -31,6 +31,7 @@ which other rows share the batch, except for the random stream when sampling.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import torch
@@ -64,6 +65,15 @@ def _lm_logits(model: nn.Module, ids: Tensor, positions: Tensor, view, last: Ten
         return model.lm_head(h) if head is None else head(h)
     logits = model(ids, positions, view)  # (n, T, V)
     return logits[:, -1] if last is None else logits[torch.arange(logits.shape[0], device=logits.device), last]
+
+
+def _recompile_limits(at_least: int) -> dict[str, int]:
+    """torch._dynamo's recompile limits (per code object, and accumulated), raised to `at_least`.
+    The keys are `recompile_limit` in torch >= 2.7, `cache_size_limit` before."""
+    config = torch._dynamo.config
+    names = (("recompile_limit", "accumulated_recompile_limit") if hasattr(config, "recompile_limit")
+             else ("cache_size_limit", "accumulated_cache_size_limit"))
+    return {name: max(getattr(config, name), at_least) for name in names}
 
 
 class DecodeEngine:
@@ -103,7 +113,7 @@ class DecodeEngine:
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         self._forward = self._decode_logits
         if compile and cuda:
-            self._forward = torch.compile(self._decode_logits, dynamic=True)
+            self._forward = self._compiled_step()
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
@@ -122,6 +132,36 @@ class DecodeEngine:
     def _decode_logits(self, tokens: Tensor, pos: Tensor, L: int) -> Tensor:
         view = DecodeView(self.cache, pos, L)
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
+
+    def _compiled_step(self, backend="inductor"):
+        """`_decode_logits` under `torch.compile`, compiled for this engine alone.
+
+        Dynamo keeps its compiled entries on the function's code object and falls back to eager
+        (inside our CUDA graphs: the slow uncompiled step) once one code object holds
+        `recompile_limit` (8) entries whose guards failed. With dynamic shapes one engine needs
+        few: one for b == 1 (sizes 0 and 1 are always specialised) and one for every other b;
+        the cache buffers are one position longer than max_len (`StaticKVCache.buffers`) so that
+        the window of L <= max_len slots never covers a whole buffer, whose layout (contiguous or
+        not) would otherwise be a guard of its own. But all engines of a process would share the
+        one code object of `DecodeEngine._decode_logits`, and an engine whose cache has another
+        shape fails the guards of the other engines' entries and adds its own:
+        benchmarks/generate.py, which builds five compiled engines, hit the limit in its last.
+        So each engine compiles its own copy of the function (same code, its own code object,
+        hence its own entries), and around its calls the limit is raised to the number of (b, L)
+        buckets the engine can step: a bound on what it can ever need, should a torch version
+        specialise on more than the above. `backend`: torch.compile's (tests pass a counter).
+        """
+        fn = DecodeEngine._decode_logits
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        own.__qualname__ = fn.__qualname__
+        compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
+        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+
+        def step(tokens: Tensor, pos: Tensor, L: int) -> Tensor:
+            with torch._dynamo.config.patch(_recompile_limits(buckets)):
+                return compiled(tokens, pos, L)
+
+        return step
 
     def _record(self, nxt: Tensor, b: int) -> None:
         """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
