@@ -16,6 +16,9 @@ running them. So the per-token work is made replayable:
 - Each layer's q|k|v and SwiGLU w1|w3 projections run as one matmul each, through stacked
   copies of their weights refreshed at every run (`stacked.StackedProjections`): at small batch
   a step is bound by how many kernels it launches.
+- Where the vocabulary size is not a multiple of 64, the LM head multiplies by a copy of its
+  weight padded with zero rows to one (`padded_head.PaddedHead`, refreshed like the stacked
+  copies): an odd row stride of the logits sends cuBLAS to a slow unaligned GEMM at batch > 1.
 - Finished rows are found on the host only every `check_every` steps (one sync). Then the
   finished rows' tokens are read back, their slots are refilled with waiting prompts (prefill
   of just those rows), and once no prompt waits, the live rows are compacted into the first
@@ -28,11 +31,13 @@ which other rows share the batch, except for the random stream when sampling.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from scratchlm.infer.padded_head import PaddedHead
 from scratchlm.infer.sampling import sample_next
 from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
@@ -50,14 +55,25 @@ def batch_buckets(slots: int) -> list[int]:
     return out + [slots]
 
 
-def _lm_logits(model: nn.Module, ids: Tensor, positions: Tensor, view, last: Tensor | None) -> Tensor:
-    """Logits (n, V) at index `last` (n,) of each row (the final index when None)."""
+def _lm_logits(model: nn.Module, ids: Tensor, positions: Tensor, view, last: Tensor | None,
+               head: PaddedHead | None = None) -> Tensor:
+    """Logits (n, V) at index `last` (n,) of each row (the final index when None); through
+    `head` (the padded copy of lm_head, a strided (n, V) view) when given."""
     if hasattr(model, "hidden_states") and hasattr(model, "lm_head"):
         h = model.hidden_states(ids, positions, view)  # (n, T, d_model)
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return model.lm_head(h)
+        return model.lm_head(h) if head is None else head(h)
     logits = model(ids, positions, view)  # (n, T, V)
     return logits[:, -1] if last is None else logits[torch.arange(logits.shape[0], device=logits.device), last]
+
+
+def _recompile_limits(at_least: int) -> dict[str, int]:
+    """torch._dynamo's recompile limits (per code object, and accumulated), raised to `at_least`.
+    The keys are `recompile_limit` in torch >= 2.7, `cache_size_limit` before."""
+    config = torch._dynamo.config
+    names = (("recompile_limit", "accumulated_recompile_limit") if hasattr(config, "recompile_limit")
+             else ("cache_size_limit", "accumulated_cache_size_limit"))
+    return {name: max(getattr(config, name), at_least) for name in names}
 
 
 class DecodeEngine:
@@ -69,12 +85,15 @@ class DecodeEngine:
     keeps each layer's q|k|v and w1|w3 weights as one matrix each, refreshed from the model at
     every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a step, for a copy of those
     weights in memory (in the autocast dtype under autocast), made only where it takes at most a
-    quarter of the GPU memory free when the engine is built.
+    quarter of the GPU memory free when the engine is built. `pad_lm_head` (default) does the same
+    for the LM head where the vocabulary size is not a multiple of 64: a copy of its weight with
+    zero rows up to one (`scratchlm.infer.padded_head`), for aligned logits rows; it counts
+    against the same quarter with the stacked copies.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
-                 stack_projections: bool = True) -> None:
+                 stack_projections: bool = True, pad_lm_head: bool = True) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.slots = slots
@@ -87,9 +106,14 @@ class DecodeEngine:
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
             self.cache.projections = projections if len(projections) and projections.fits(self.device) else None
+        # the LM head through a copy padded to HEAD_ROW_MULTIPLE rows, where V is not a multiple
+        self.head = PaddedHead.for_model(model) if pad_lm_head else None
+        if self.head is not None:
+            stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
+            self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         self._forward = self._decode_logits
         if compile and cuda:
-            self._forward = torch.compile(self._decode_logits, dynamic=True)
+            self._forward = self._compiled_step()
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
@@ -107,7 +131,37 @@ class DecodeEngine:
 
     def _decode_logits(self, tokens: Tensor, pos: Tensor, L: int) -> Tensor:
         view = DecodeView(self.cache, pos, L)
-        return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None).float()  # (b, V)
+        return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
+
+    def _compiled_step(self, backend="inductor"):
+        """`_decode_logits` under `torch.compile`, compiled for this engine alone.
+
+        Dynamo keeps its compiled entries on the function's code object and falls back to eager
+        (inside our CUDA graphs: the slow uncompiled step) once one code object holds
+        `recompile_limit` (8) entries whose guards failed. With dynamic shapes one engine needs
+        few: one for b == 1 (sizes 0 and 1 are always specialised) and one for every other b;
+        the cache buffers are one position longer than max_len (`StaticKVCache.buffers`) so that
+        the window of L <= max_len slots never covers a whole buffer, whose layout (contiguous or
+        not) would otherwise be a guard of its own. But all engines of a process would share the
+        one code object of `DecodeEngine._decode_logits`, and an engine whose cache has another
+        shape fails the guards of the other engines' entries and adds its own:
+        benchmarks/generate.py, which builds five compiled engines, hit the limit in its last.
+        So each engine compiles its own copy of the function (same code, its own code object,
+        hence its own entries), and around its calls the limit is raised to the number of (b, L)
+        buckets the engine can step: a bound on what it can ever need, should a torch version
+        specialise on more than the above. `backend`: torch.compile's (tests pass a counter).
+        """
+        fn = DecodeEngine._decode_logits
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        own.__qualname__ = fn.__qualname__
+        compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
+        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+
+        def step(tokens: Tensor, pos: Tensor, L: int) -> Tensor:
+            with torch._dynamo.config.patch(_recompile_limits(buckets)):
+                return compiled(tokens, pos, L)
+
+        return step
 
     def _record(self, nxt: Tensor, b: int) -> None:
         """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
@@ -184,7 +238,8 @@ class DecodeEngine:
             lens = torch.tensor([len(prompts[i]) for i in chunk], device=self.device)
             rows = torch.tensor([slots[i] for i in chunk], device=self.device)
             view = PrefillView(self.cache, rows, T)
-            chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1).float()
+            chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1,
+                                      self.head).float()
             for j, i in enumerate(chunk):
                 logits[i] = chunk_logits[j]
         return torch.stack(logits)
@@ -212,14 +267,16 @@ class DecodeEngine:
         self.cache.move_rows(0, src, min(hi, self.max_len))
 
     def _refresh_projections(self) -> None:
-        """The stacked weights take the model's current ones (it may have trained since the last
-        run), in the autocast dtype when autocast is on; new buffers void the captured steps."""
-        projections = self.cache.projections
-        if projections is None:
-            return
+        """The stacked weights and the padded head take the model's current ones (it may have
+        trained since the last run), in the autocast dtype when autocast is on; new buffers void
+        the captured steps."""
         kind = self.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        if projections.refresh(dtype):
+        new = False
+        for copies in (self.cache.projections, self.head):
+            if copies is not None:
+                new = copies.refresh(dtype) or new
+        if new:
             self._graphs.clear()
 
     # ---- the loop -------------------------------------------------------------------------

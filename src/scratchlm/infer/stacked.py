@@ -34,6 +34,14 @@ def _plain(*modules: nn.Module) -> bool:
             and not any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
+def fits_free_memory(nbytes: int, device: torch.device, share: float = 0.25) -> bool:
+    """Whether `nbytes` are at most `share` of the memory free now on `device` (always on the CPU)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= share * free
+
+
 class StackedProjections:
     """The stacked copies of one model's layers: `get(layer_idx, kind)` -> (weight, bias or None)
     or None where a layer's projections do not stack (kind "qkv" or "w13")."""
@@ -67,10 +75,7 @@ class StackedProjections:
     def fits(self, device: torch.device, share: float = 0.25) -> bool:
         """Whether the copies take at most `share` of the device memory free now (always on the CPU):
         a large model near the limit of its GPU decodes without them rather than run out of memory."""
-        if device.type != "cuda":
-            return True
-        free, _ = torch.cuda.mem_get_info(device)
-        return self.nbytes() <= share * free
+        return fits_free_memory(self.nbytes(), device, share)
 
     @torch.no_grad()
     def refresh(self, dtype: torch.dtype | None = None) -> bool:

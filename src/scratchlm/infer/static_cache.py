@@ -1,12 +1,13 @@
 """A static KV cache: preallocated buffers, fixed shapes, per-row lengths on the device.
 
-Each layer owns key and value buffers of shape (slots, num_kv_heads, max_len, head_dim),
-allocated once (with grouped-query attention only the shared kv heads are stored). Row (slot) s holds its tokens at positions 0 .. lens[s] - 1 with no padding
-in front, so every row can be at its own length, and a finished row's slot can be handed to a
-new prompt without touching the others. Nothing about a step depends on host-side lengths:
-`lens` is a device tensor, the write of one new key per row is an indexed store, and
-attention runs over a fixed window of L slots with a length mask. That is what lets a decode
-step be captured once (CUDA graph, torch.compile) and replayed.
+Each layer owns key and value buffers of shape (slots, num_kv_heads, max_len + 1, head_dim)
+(the last position spare: see `StaticKVCache.buffers`), allocated once (with grouped-query
+attention only the shared kv heads are stored). Row (slot) s holds its tokens at positions
+0 .. lens[s] - 1 with no padding in front, so every row can be at its own length, and a
+finished row's slot can be handed to a new prompt without touching the others. Nothing about a
+step depends on host-side lengths: `lens` is a device tensor, the write of one new key per row
+is an indexed store, and attention runs over a fixed window of L slots with a length mask. That
+is what lets a decode step be captured once (CUDA graph, torch.compile) and replayed.
 
 The model sees the cache through the interface its attention already calls
 (`update(layer_idx, k, v) -> (k_all, v_all)`, `attention_mask(T, L, device=...)`,
@@ -59,7 +60,7 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
 
 
 class StaticKVCache:
-    """Per-layer key/value buffers (slots, num_heads, max_len, head_dim), zero-filled on creation;
+    """Per-layer key/value buffers (slots, num_heads, max_len + 1, head_dim), zero-filled on creation;
     num_heads counts the key/value heads stored (the model's num_kv_heads).
 
     Buffers are allocated on the first write, in the dtype of the keys written (a bf16 model, or
@@ -96,9 +97,14 @@ class StaticKVCache:
                    device=device, dtype=dtype, sliding_window=getattr(attn, "sliding_window", None))
 
     def buffers(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """This layer's (k, v) buffers, allocated on first use with `like`'s dtype."""
+        """This layer's (k, v) buffers, allocated on first use with `like`'s dtype.
+
+        They hold max_len + 1 positions, the last never written or read: a decode step's window
+        of L <= max_len slots (`DecodeView.update`) is then never a whole buffer, so whether it is
+        contiguous does not change with L. torch.compile would otherwise specialise the compiled
+        step on whether L equals the buffer's length: one more recompilation."""
         if self.k[layer_idx] is None:
-            shape = (self.slots, self.num_heads, self.max_len, self.head_dim)
+            shape = (self.slots, self.num_heads, self.max_len + 1, self.head_dim)
             dtype = self.dtype if self.dtype is not None else like.dtype
             self.k[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
             self.v[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)

@@ -1,0 +1,88 @@
+"""The compiled decode step: no fall back to eager at torch.compile's recompile limit."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+
+from scratchlm.infer.engine import DecodeEngine, _recompile_limits, batch_buckets
+from scratchlm.model.transformer import TransformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_CONFIG = torch._dynamo.config
+_LIMIT = "recompile_limit" if hasattr(_CONFIG, "recompile_limit") else "cache_size_limit"
+# a fallback raises instead of quietly running the step eagerly (where torch has the switch)
+_STRICT = {"fail_on_recompile_limit_hit": True} if hasattr(_CONFIG, "fail_on_recompile_limit_hit") else {}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return TransformerLM(vocab_size=50, context_length=64, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                         rope_theta=10_000.0, dtype=torch.float32).eval()
+
+
+def _step_every_bucket(engine, counter):
+    """Compile the engine's step with `counter` as the backend (eager kernels: CPU, fast) and run
+    it at every (b, L) the engine can step, against the uncompiled step."""
+    engine._forward = engine._compiled_step(backend=counter)
+    engine._refresh_projections()
+    slots = engine.slots
+    engine._prefill(list(range(slots)), [[1 + s, 2, 3] for s in range(slots)])
+    engine.lens[:slots] = 3
+    engine.tokens[:slots] = torch.arange(slots) + 5
+    lengths = list(range(engine.len_bucket, engine.max_len + 1, engine.len_bucket))
+    assert lengths[-1] == engine.max_len  # the window of the whole cache is among them
+    for b in batch_buckets(slots):
+        for L in lengths:
+            args = (engine.tokens[:b], engine.lens[:b], L)
+            torch.testing.assert_close(engine._forward(*args), engine._decode_logits(*args), rtol=0, atol=0)
+
+
+def test_engines_compile_their_own_steps(model):
+    # Five engines of two graphs each (b == 1, b > 1) are ten compilations: over the default
+    # limit of 8 had they shared one code object, as their common method does.
+    assert getattr(_CONFIG, _LIMIT) <= 8
+    with _CONFIG.patch(_STRICT), torch.inference_mode():
+        for slots in (2, 3, 4, 5, 6):
+            engine = DecodeEngine(model, slots, 16, len_bucket=8)
+            assert engine.cache.k[0] is None or engine.cache.k[0].shape[2] == 17
+            counter = CompileCounter()
+            _step_every_bucket(engine, counter)
+            assert engine.cache.k[0].shape[2] == 17  # one spare position: L == max_len is no special case
+            assert 1 <= counter.frame_count <= 2  # b == 1, and every other b and L
+
+
+def test_the_limit_is_raised_to_the_engines_buckets_around_its_calls(model):
+    # however low the process's limit, an engine's step does not fall back for any of its shapes
+    with _CONFIG.patch({_LIMIT: 1, **_STRICT}), torch.inference_mode():
+        engine = DecodeEngine(model, 4, 16, len_bucket=8)
+        counter = CompileCounter()
+        _step_every_bucket(engine, counter)
+        assert counter.frame_count == 2
+        assert getattr(_CONFIG, _LIMIT) == 1  # restored after each call
+    assert _recompile_limits(3)[_LIMIT] == max(getattr(_CONFIG, _LIMIT), 3)
+    assert _recompile_limits(10**6)[_LIMIT] == 10**6
+
+
+@pytest.mark.gpu
+def test_compiled_cuda_engines_do_not_hit_the_recompile_limit():
+    # The inductor-compiled, captured step on the GPU: several engines in one process, each
+    # decoding until its attention window is the whole cache (L == max_len).
+    torch.manual_seed(0)
+    m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=2, num_heads=4, d_ff=384,
+                      rope_theta=10_000.0, device="cuda")
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    prompts = [list(range(1, 40)), [5], list(range(100, 117)), list(range(7, 60))] * 2
+    with _CONFIG.patch(_STRICT), torch.inference_mode():
+        for slots, max_len in [(1, 128), (3, 128), (8, 192), (5, 256), (8, 128)]:
+            budgets = [max_len - len(p) for p in prompts]
+            compiled = DecodeEngine(m, slots, max_len, len_bucket=64, compile=True)
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            out = compiled.run(prompts, budgets, temperature=0)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            assert 1 <= graphs <= 2, (slots, max_len, graphs)
+            eager = DecodeEngine(m, slots, max_len, len_bucket=64, cuda_graphs=False)
+            assert out == eager.run(prompts, budgets, temperature=0)
