@@ -30,6 +30,11 @@ trained by ``scratchlm train-bpe`` on the training text and encoded once into ``
 
     python benchmarks/speedrun.py --shape 17m --budgets 60 180 600 --ref-lrs 1e-3 2e-3 4e-3 \\
         --recipe optim.name=muon model.qk_norm=true --out docs/benchmarks/speedrun.json
+    python benchmarks/speedrun.py --shape 17m --budgets 60 180 600 --sides scratchlm \\
+        --reference-json docs/benchmarks/speedrun.json --recipe optim.schedule=wsd --out wsd.json
+
+``--reference-json`` reads the reference side of each budget from an earlier call's JSON instead of
+running it (a sweep of recipes pays for the reference once).
 """
 
 from __future__ import annotations
@@ -304,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides of the scratchlm side, e.g. optim.name=muon model.qk_norm=true")
     p.add_argument("--sides", nargs="+", choices=("reference", "scratchlm"), default=["reference", "scratchlm"])
+    p.add_argument("--reference-json", type=Path, metavar="JSON",
+                   help="take the reference side of every budget from this earlier speedrun JSON (same data and "
+                        "shape) instead of running it: a recipe sweep then runs scratchlm alone")
     p.add_argument("--eval-interval", type=int, help="steps between periodic evaluations (default: per shape)")
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "gutenberg")
     p.add_argument("--vocab-size", type=int, default=10_000, help="BPE vocabulary built from --data-dir")
@@ -338,6 +346,11 @@ def main(argv=None) -> int:
         "batch_size": cfg.trainer.batch_size, "eval_interval": eval_interval, "recipe": list(args.recipe),
         "data": data, "ref_lr_sweep": None, "rows": []}
 
+    stored = (stored_references(args.reference_json, budgets, shape=args.shape, vocab_size=data["vocab_size"])
+              if args.reference_json else None)
+    if stored is not None:
+        results["reference_from"] = str(args.reference_json)
+        args.sides = [side for side in args.sides if side != "reference"]
     ref_lrs = args.ref_lrs or [cfg.optim.lr]
     sweep_budget = args.ref_lr_budget or budgets[0]
     ref_runs: dict[tuple[float, float], Path] = {}
@@ -359,6 +372,8 @@ def main(argv=None) -> int:
     for budget in budgets:
         folder = args.work / f"{budget:g}s"
         reference = ours = None
+        if stored is not None:
+            best_lr, reference = stored[budget]
         if "reference" in args.sides:
             run = ref_runs.get((best_lr, budget))
             if run is None:
@@ -385,6 +400,29 @@ def main(argv=None) -> int:
         print(table(results["rows"]), flush=True)
     print(f"\nresults: {out_json}")
     return 0
+
+
+def stored_references(path: Path, budgets: list[float], *, shape: str,
+                      vocab_size: int) -> dict[float, tuple[float, dict[str, Any]]]:
+    """{budget: (lr, reference result)} from an earlier speedrun JSON, for every budget asked;
+    SystemExit when the file cannot be read, was made at another shape or vocabulary, or lacks a
+    budget. (That it was made on the same token files is the caller's word: paths differ
+    between machines.)"""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"speedrun: --reference-json {path}: {exc}") from None
+    theirs = (earlier.get("shape"), earlier.get("data", {}).get("vocab_size"))
+    if theirs != (shape, vocab_size):
+        raise SystemExit(f"speedrun: --reference-json {path} is of shape {theirs[0]!r}, vocabulary {theirs[1]}; "
+                         f"this run is of shape {shape!r}, vocabulary {vocab_size}")
+    found = {row["budget_s"]: (row["ref_lr"], row["reference"]) for row in earlier.get("rows", [])
+             if row.get("reference")}
+    missing = [b for b in budgets if b not in found]
+    if missing:
+        raise SystemExit(f"speedrun: --reference-json {path} has no reference run for the budget(s) "
+                         f"{', '.join(f'{b:g}' for b in missing)} s")
+    return {b: found[b] for b in budgets}
 
 
 def evaluate_run(run: Path, data: dict[str, Any], *, batches: int, batch_size: int, log_path: Path) -> float:

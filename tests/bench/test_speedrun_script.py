@@ -189,3 +189,47 @@ def test_compare_reports_the_difference_and_both_times(tmp_path):
     row = speedrun.compare(reference, ours)
     assert row["diff_nats"] == pytest.approx(-0.05)
     assert reference["seconds_to_ref_loss"] == 20.0 and ours["seconds_to_ref_loss"] == pytest.approx(12.0)
+
+
+def _earlier_json(path, *, shape="tiny", vocab=VOCAB, budgets=(60.0,)):
+    rows = [{"budget_s": b, "ref_lr": 2e-3, "scratchlm": None, "diff_nats": None,
+             "reference": {"steps": 100, "tokens": 6400, "seconds": b, "val_loss": 3.80, "window_val_loss": 3.70,
+                           "curve": [[b / 2, 4.0], [b, 3.70]]}} for b in budgets]
+    path.write_text(json.dumps({"shape": shape, "data": {"vocab_size": vocab}, "rows": rows}))
+    return path
+
+
+def test_reference_json_compares_a_scratchlm_run_with_a_stored_reference(tokens, tmp_path, monkeypatch):
+    speedrun = load("speedrun")
+    ran = []
+    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log: ran.append(cmd))
+    monkeypatch.setattr(speedrun, "scratchlm_result", lambda run: {
+        "steps": 120, "tokens": 7680, "seconds": 60.0, "val_loss": 3.6, "curve": [(20.0, 3.9), (40.0, 3.6)]})
+    monkeypatch.setattr(speedrun, "evaluate_run", lambda run, data, **kw: 3.75 if kw["batches"] == 0 else 3.55)
+    out = tmp_path / "sweep.json"
+    earlier = _earlier_json(tmp_path / "earlier.json", budgets=(60.0, 180.0))
+    assert speedrun.main(["--shape", "tiny", "--budgets", "60", "--reference-json", str(earlier),
+                          "--train-bin", tokens["train_bin"], "--val-bin", tokens["val_bin"], "--tokenizer", "",
+                          "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert len(ran) == 1 and "train" in ran[0]  # the reference was read, not run; scratchlm ran
+    results = json.loads(out.read_text())
+    (row,) = results["rows"]
+    assert results["reference_from"] == str(earlier) and row["ref_lr"] == 2e-3
+    assert row["diff_nats"] == pytest.approx(3.75 - 3.80)
+    # the reference's loss on the windows (3.70) is reached between 20 s (3.9) and 40 s (3.6)
+    assert row["scratchlm"]["seconds_to_ref_loss"] == pytest.approx(20 + 20 * (0.2 / 0.3))
+
+
+@pytest.mark.parametrize("earlier_kwargs, message", [
+    ({"budgets": (180.0,)}, "no reference run for the budget(s) 60 s"),
+    ({"shape": "17m"}, "is of shape '17m'"),
+    ({"vocab": VOCAB + 1}, f"vocabulary {VOCAB + 1}"),
+])
+def test_reference_json_that_does_not_fit_is_refused(tokens, tmp_path, monkeypatch, earlier_kwargs, message):
+    speedrun = load("speedrun")
+    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log: pytest.fail("nothing may run"))
+    earlier = _earlier_json(tmp_path / "earlier.json", **earlier_kwargs)
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        speedrun.main(["--shape", "tiny", "--budgets", "60", "--reference-json", str(earlier),
+                       "--train-bin", tokens["train_bin"], "--val-bin", tokens["val_bin"], "--tokenizer", "",
+                       "--work", str(tmp_path / "work")])
