@@ -3,6 +3,7 @@ groups against AdamW, and training, checkpoints and refusals through the trainer
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import replace
 
@@ -38,22 +39,29 @@ def test_newton_schulz_on_square_matrices_and_stacks():
     assert torch.allclose(o[1], newton_schulz(g[1]))  # a stack is each matrix on its own
 
 
-def _reference_muon(w, grads, lr, momentum, wd):
-    """Muon by hand, float32: momentum, Nesterov, five quintic Newton-Schulz steps, RMS scale."""
+def _reference_ns(u, dtype=torch.float32):
+    """Five quintic Newton-Schulz steps, each product and sum on its own, in `dtype`."""
     a, b, c = 3.4445, -4.7750, 2.0315
+    x = u.to(dtype)
+    x = x.T if u.shape[0] > u.shape[1] else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        A = x @ x.T
+        x = a * x + (b * A + c * (A @ A)) @ x
+    return (x.T if u.shape[0] > u.shape[1] else x).to(u.dtype)
+
+
+def _reference_muon(w, grads, lr, momentum, wd, *, nesterov=True, buf=None):
+    """Muon by hand, float32, one matrix: momentum (Nesterov or plain), five quintic Newton-Schulz
+    steps, RMS scale, decoupled decay. A None gradient skips the step. Returns (w, buffer)."""
     w = w.clone()
-    buf = torch.zeros_like(w)
     for g in grads:
-        buf = momentum * buf + g
-        u = g + momentum * buf
-        x = u.T if u.shape[0] > u.shape[1] else u
-        x = x / (x.norm() + 1e-7)
-        for _ in range(5):
-            A = x @ x.T
-            x = a * x + (b * A + c * A @ A) @ x
-        o = x.T if u.shape[0] > u.shape[1] else x
-        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape)) * o
-    return w
+        if g is None:
+            continue
+        buf = g.clone() if buf is None else momentum * buf + g
+        u = g + momentum * buf if nesterov else buf
+        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape)) * _reference_ns(u)
+    return w, buf
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
@@ -66,7 +74,7 @@ def test_steps_equal_the_hand_written_reference(shape):
     for g in grads:
         p.grad = g.clone()
         opt.step()
-    expected = _reference_muon(w0, grads, lr=0.05, momentum=0.9, wd=0.1)
+    expected, _ = _reference_muon(w0, grads, lr=0.05, momentum=0.9, wd=0.1)
     torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-5)
     # the update's RMS is what the scale promises: 0.2 per unit of lr
     q = torch.nn.Parameter(w0.clone())
@@ -91,8 +99,143 @@ def test_matrices_of_one_shape_are_stepped_together_each_as_on_its_own():
         opt.step()
     for i, (p, w, g) in enumerate(zip(params, w0, grads)):
         g = [g[0], g[2]] if i == 3 else g
-        torch.testing.assert_close(p.detach(), _reference_muon(w, g, lr=0.05, momentum=0.9, wd=0.1),
+        torch.testing.assert_close(p.detach(), _reference_muon(w, g, lr=0.05, momentum=0.9, wd=0.1)[0],
                                    rtol=1e-5, atol=1e-5)
+
+
+# Shapes of a block in miniature: square attention matrices, FFN w1/w3 (tall) and w2 (wide), plus
+# a shape of its own. Gradients: None skips a matrix at that step; matrix 5 starts late, 6 never.
+MIXED = [(24, 40), (40, 24), (24, 40), (32, 32), (40, 24), (16, 48), (32, 32)]
+NO_GRAD = {(2, 1), (5, 0), (5, 1), (6, 0), (6, 1), (6, 2), (6, 3), (6, 4), (6, 5)}  # (matrix, step)
+
+
+def _mixed_problem(steps, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    w0 = [torch.randn(s, generator=gen) for s in MIXED]
+    grads = [[None if (i, t) in NO_GRAD else torch.randn(s, generator=gen) for t in range(steps)]
+             for i, s in enumerate(MIXED)]
+    return w0, grads
+
+
+def _run(opt, params, grads, steps):
+    for t in steps:
+        for p, g in zip(params, grads):
+            p.grad = None if g[t] is None else g[t].clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_mixed_shapes_and_transposes_step_as_each_matrix_on_its_own(nesterov, wd):
+    """Transposed shapes share a stack, matrices without a gradient sit a step out: every matrix
+    and its momentum still follow the per-matrix reference, and the state holds a buffer for
+    exactly the matrices that had a gradient."""
+    w0, grads = _mixed_problem(5)
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = Muon(params, lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=wd, ns_dtype=torch.float32)
+    _run(opt, params, grads, range(5))
+    for p, w, g in zip(params, w0, grads):
+        expected, buf = _reference_muon(w, g, lr=0.05, momentum=0.9, wd=wd, nesterov=nesterov)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-5)
+        if buf is None:
+            assert p not in opt.state and torch.equal(p.detach(), w)
+        else:
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf, rtol=1e-6, atol=1e-6)
+    saved = opt.state_dict()["state"]
+    assert sorted(saved) == [0, 1, 2, 3, 4, 5]
+    assert all(saved[i]["momentum_buffer"].shape == MIXED[i] for i in saved)
+
+
+def test_a_matrix_and_its_transpose_share_one_newton_schulz_stack(monkeypatch):
+    from scratchlm.optim import muon
+
+    stacks = []
+    real = muon.orthogonalise_stack
+
+    def recorded(x, *args, **kwargs):
+        stacks.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(muon, "orthogonalise_stack", recorded)
+    w0, grads = _mixed_problem(3)
+    params = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = Muon(params, lr=0.05)
+    _run(opt, params, grads, range(3))
+    # (24, 40) and (40, 24) in one stack; matrix 2 sits step 1 out, 5 starts at step 2, 6 never does
+    assert stacks == [(4, 24, 40), (1, 32, 32), (3, 24, 40), (1, 32, 32), (4, 24, 40), (1, 32, 32), (1, 16, 48)]
+
+
+def test_state_dicts_save_load_and_resume_exactly():
+    w0, grads = _mixed_problem(6)
+    straight = [torch.nn.Parameter(w.clone()) for w in w0]
+    opt = Muon(straight, lr=0.05, momentum=0.9, weight_decay=0.1)
+    _run(opt, straight, grads, range(3))
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in straight]
+    _run(opt, straight, grads, range(3, 6))
+
+    saved.seek(0)
+    again = Muon(resumed, lr=0.05, momentum=0.9, weight_decay=0.1)
+    again.load_state_dict(torch.load(saved))
+    _run(again, resumed, grads, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    assert all(torch.equal(opt.state[a]["momentum_buffer"], again.state[b]["momentum_buffer"])
+               for a, b in zip(straight, resumed) if a in opt.state)
+
+
+def test_a_state_dict_of_separate_per_matrix_buffers_loads_and_resumes():
+    """A checkpoint whose buffers are one independent tensor per matrix (the layout every Muon
+    state dict has had) carries on as the reference does."""
+    w0, grads = _mixed_problem(6)
+    reference = [_reference_muon(w, g[:3], lr=0.05, momentum=0.9, wd=0.1) for w, g in zip(w0, grads)]
+    params = [torch.nn.Parameter(w.clone()) for w, _ in reference]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
+    state_dict = opt.state_dict()
+    state_dict["state"] = {i: {"momentum_buffer": buf.clone()} for i, (_, buf) in enumerate(reference)
+                           if buf is not None}
+    opt.load_state_dict(state_dict)
+    _run(opt, params, grads, range(3, 6))
+    for p, (w, buf), g in zip(params, reference, grads):
+        expected, _ = _reference_muon(w, g[3:], lr=0.05, momentum=0.9, wd=0.1, buf=buf)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_added_later_are_stepped_too():
+    gen = torch.Generator().manual_seed(4)
+    a = torch.nn.Parameter(torch.randn(24, 40, generator=gen))
+    b = torch.nn.Parameter(torch.randn(40, 24, generator=gen))
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    ga, gb = torch.randn(24, 40, generator=gen), torch.randn(40, 24, generator=gen)
+    opt = Muon([a], lr=0.05, ns_dtype=torch.float32)
+    a.grad = ga.clone()
+    opt.step()
+    opt.add_param_group({"params": [b]})
+    a.grad, b.grad = ga.clone(), gb.clone()
+    opt.step()
+    torch.testing.assert_close(a.detach(), _reference_muon(a0, [ga, ga], lr=0.05, momentum=0.95, wd=0.0)[0],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.detach(), _reference_muon(b0, [gb], lr=0.05, momentum=0.95, wd=0.0)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (96, 96), (4, 96, 256)])
+def test_bfloat16_newton_schulz_is_as_close_to_the_exact_iteration_as_one_op_at_a_time(shape):
+    """The products with their scaled sums fused (`baddbmm`) round less than the iteration
+    written one op at a time: in bfloat16, no farther from the float64 iteration than that is."""
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(shape, generator=gen) * torch.logspace(-2, 0, shape[-1])  # singular values over 100x
+    flat = g.reshape(-1, *shape[-2:])
+    exact = torch.stack([_reference_ns(m, torch.float64) for m in flat])
+    one_op = torch.stack([_reference_ns(m, torch.bfloat16) for m in flat])
+    fused = newton_schulz(g).reshape(flat.shape)
+
+    def error(o):
+        return ((o - exact).norm() / exact.norm()).item()
+
+    assert error(fused) <= error(one_op) < 0.05
+    torch.testing.assert_close(newton_schulz(g, dtype=torch.float32).reshape(flat.shape),
+                               torch.stack([_reference_ns(m) for m in flat]), rtol=1e-5, atol=1e-5)
 
 
 def test_non_muon_groups_are_adamw_bit_for_bit():
