@@ -102,6 +102,37 @@ def test_static_cache_with_bfloat16_autocast_runs(model):
     assert [len(o) for o in out] == [6, 6, 6]
 
 
+
+_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+def _engine_tensors(engine):
+    cache = engine.cache
+    held = [engine.tokens, engine.lens, engine.n_out, engine.budget, engine.done, engine.out, engine.stop_ids]
+    held += [t for t in cache.k + cache.v if t is not None]
+    held += [t for w_b in cache.projections.stacked.values() for t in w_b if t is not None]
+    return held + [engine.head.weight]
+
+
+@pytest.mark.parametrize("built_in", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("modes", [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])
+def test_one_engine_runs_under_inference_mode_and_no_grad_in_turn(model, modes, built_in):
+    # The buffers are allocated lazily, inside the first run: under inference mode they would
+    # be inference tensors, which a later run outside it could not update in place.
+    prompts = _prompts(5, seed=6)
+    budgets = [9, 4, 12, 7, 10]
+    stops = list(range(20, 31))  # more than the 8 stop ids the engine holds at first: a new table
+    with torch.no_grad():
+        expected = DecodeEngine(model, 3, 64, check_every=2).run(prompts, budgets, temperature=0,
+                                                                 stop_ids=stops)
+    with _MODES[built_in]():
+        engine = DecodeEngine(model, 3, 64, check_every=2)
+    assert engine.cache.projections is not None and engine.head is not None  # every copy is exercised
+    for mode in modes * 2:
+        with _MODES[mode]():
+            assert engine.run(prompts, budgets, temperature=0, stop_ids=stops) == expected, mode
+    assert not any(t.is_inference() for t in _engine_tensors(engine))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_engine_matches_dynamic(compile):

@@ -117,15 +117,18 @@ class DecodeEngine:
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
-        self.tokens = torch.zeros(S, dtype=torch.long, device=dev)  # next input token of each slot
-        self.lens = torch.zeros(S, dtype=torch.long, device=dev)  # tokens in the cache of each slot
-        self.n_out = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
-        self.budget = torch.zeros(S, dtype=torch.long, device=dev)
-        self.done = torch.ones(S, dtype=torch.bool, device=dev)
-        # Generated tokens; a row never has more than max_len, and the last column takes the
-        # writes of finished rows. Fixed tensors, so captured steps stay valid across runs.
-        self.out = torch.zeros(S, max_len + 1, dtype=torch.long, device=dev)
-        self.stop_ids = torch.full((8,), -1, dtype=torch.long, device=dev)
+        # The state is updated in place by every run: normal tensors even for an engine built
+        # under inference mode (see `run`).
+        with torch.inference_mode(False):
+            self.tokens = torch.zeros(S, dtype=torch.long, device=dev)  # next input token of each slot
+            self.lens = torch.zeros(S, dtype=torch.long, device=dev)  # tokens in the cache of each slot
+            self.n_out = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
+            self.budget = torch.zeros(S, dtype=torch.long, device=dev)
+            self.done = torch.ones(S, dtype=torch.bool, device=dev)
+            # Generated tokens; a row never has more than max_len, and the last column takes the
+            # writes of finished rows. Fixed tensors, so captured steps stay valid across runs.
+            self.out = torch.zeros(S, max_len + 1, dtype=torch.long, device=dev)
+            self.stop_ids = torch.full((8,), -1, dtype=torch.long, device=dev)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -288,6 +291,12 @@ class DecodeEngine:
 
         Each prompt plus its budget must fit in max_len. Prompts beyond the slot count wait and
         take the slots of rows that finish.
+
+        Runs under `torch.inference_mode`, `torch.no_grad` or either in turn: the tensors the
+        engine keeps across runs (its state, the cache, the stacked and padded weight copies) are
+        allocated outside inference mode, even when that happens inside a run under it, so
+        they are normal tensors, which may be updated in place in either mode (an inference
+        tensor only inside inference mode).
         """
         n_req = len(prompts)
         self._refresh_projections()
@@ -302,7 +311,8 @@ class DecodeEngine:
         greedy = temperature == 0
         stops = sorted(set(int(t) for t in stop_ids))
         if len(stops) > self.stop_ids.numel():  # a bigger table: steps captured with the old one go
-            self.stop_ids = torch.full((len(stops),), -1, dtype=torch.long, device=self.device)
+            with torch.inference_mode(False):
+                self.stop_ids = torch.full((len(stops),), -1, dtype=torch.long, device=self.device)
             self._graphs.clear()
         self.stop_ids.fill_(-1)
         self.stop_ids[:len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)

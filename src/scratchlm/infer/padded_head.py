@@ -96,7 +96,8 @@ class PaddedHead:
         dt = dtype if dtype is not None else weight.dtype
         w, new = self.weight, False
         if w is None or w.dtype != dt or w.shape != (rows, d) or w.device != weight.device:
-            w = self.weight = torch.zeros(rows, d, dtype=dt, device=weight.device)  # padding rows stay 0
+            with torch.inference_mode(False):  # a normal tensor, refreshable in or out of inference mode
+                w = self.weight = torch.zeros(rows, d, dtype=dt, device=weight.device)  # padding rows stay 0
             new = True
         w[:V].copy_(weight)
         self.vocab = V

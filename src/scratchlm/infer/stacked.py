@@ -88,8 +88,9 @@ class StackedProjections:
             rows = sum(w.shape[0] for w in weights)
             held = self.stacked.get(key)
             if held is None or held[0].dtype != dt or held[0].shape[0] != rows or held[0].device != weights[0].device:
-                w = torch.empty(rows, weights[0].shape[1], dtype=dt, device=weights[0].device)
-                b = (torch.empty(rows, dtype=dt, device=w.device) if isinstance(mods[0], BiasedLinear) else None)
+                with torch.inference_mode(False):  # normal tensors, refreshable in or out of inference mode
+                    w = torch.empty(rows, weights[0].shape[1], dtype=dt, device=weights[0].device)
+                    b = (torch.empty(rows, dtype=dt, device=w.device) if isinstance(mods[0], BiasedLinear) else None)
                 held = self.stacked[key] = (w, b)
                 new = True
             w, b = held

@@ -64,7 +64,10 @@ class StaticKVCache:
     num_heads counts the key/value heads stored (the model's num_kv_heads).
 
     Buffers are allocated on the first write, in the dtype of the keys written (a bf16 model, or
-    autocast, gives a bf16 cache), unless `dtype` is given.
+    autocast, gives a bf16 cache), unless `dtype` is given. They are allocated outside inference
+    mode even when the first write runs inside it: a normal tensor may be written in place under
+    `torch.inference_mode` or outside it, an inference tensor only inside, so one cache serves
+    runs under `inference_mode` and under `no_grad` alike.
     """
 
     def __init__(self, num_layers: int, slots: int, num_heads: int, max_len: int, head_dim: int, *,
@@ -106,8 +109,9 @@ class StaticKVCache:
         if self.k[layer_idx] is None:
             shape = (self.slots, self.num_heads, self.max_len + 1, self.head_dim)
             dtype = self.dtype if self.dtype is not None else like.dtype
-            self.k[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
-            self.v[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
+            with torch.inference_mode(False):  # normal tensors: see the class docstring
+                self.k[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
+                self.v[layer_idx] = torch.zeros(shape, device=self.device, dtype=dtype)
         return self.k[layer_idx], self.v[layer_idx]
 
     def move_rows(self, dst: int, src: Tensor, length: int) -> None:
