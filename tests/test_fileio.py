@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scratchlm import fileio
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import atomic_open, write_text_atomic
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -75,6 +75,44 @@ def test_a_failed_fsync_replaces_nothing(tmp_path, monkeypatch):
         write_text_atomic(path, "new\n")
     assert path.read_text(encoding="utf-8") == "old\n" and _names(tmp_path) == ["samples.txt"]
 
+
+
+def test_atomic_open_streams_text_or_bytes_into_place(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text("old\n", encoding="utf-8")
+    with atomic_open(path) as f:
+        for i in range(3):
+            f.write(json.dumps({"i": i, "s": "é"}) + "\n")
+        assert path.read_text(encoding="utf-8") == "old\n"  # nothing visible before the block ends
+    assert path.read_text(encoding="utf-8").splitlines() == [json.dumps({"i": i, "s": "é"}) for i in range(3)]
+    with atomic_open(str(tmp_path / "blob.bin"), "wb") as f:
+        f.write(b"\x00\xff")
+    assert (tmp_path / "blob.bin").read_bytes() == b"\x00\xff"
+    assert _names(tmp_path) == ["blob.bin", "records.jsonl"]
+    with pytest.raises(ValueError, match="mode"):
+        with atomic_open(path, "a"):
+            pass
+
+
+def test_atomic_open_keeps_the_old_file_when_the_block_raises(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text("old\n", encoding="utf-8")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_open(path) as f:
+            f.write("half of the new\n")
+            f.flush()
+            raise KeyboardInterrupt
+    assert path.read_text(encoding="utf-8") == "old\n" and _names(tmp_path) == ["records.jsonl"]
+
+
+def test_atomic_open_keeps_the_old_file_when_a_streamed_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "records.jsonl"
+    path.write_text("old\n", encoding="utf-8")
+    monkeypatch.setattr(fileio, "open", lambda *a, **k: _CutWriter(builtins.open(*a, **k)), raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        with atomic_open(path) as f:
+            f.write("x" * 1000)
+    assert path.read_text(encoding="utf-8") == "old\n" and _names(tmp_path) == ["records.jsonl"]
 
 # Each snippet writes something big into DIR through one of the callers, in a process whose
 # file size limit (RLIMIT_FSIZE) makes every write past LIMIT bytes fail with EFBIG: the way a
