@@ -45,3 +45,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class _CutWriter:
+    """A text or binary file whose write stores the first half of what it is given, then fails
+    (a full disk)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, data):
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+
+@pytest.fixture
+def cut_writes(monkeypatch):
+    """`cut_writes(after=0)`: from then on, the writes of `scratchlm.fileio` (`write_text_atomic`,
+    `atomic_open`) store half their data and fail, except the first `after` files, written whole."""
+    import builtins
+
+    from scratchlm import fileio
+
+    def cut(after: int = 0) -> None:
+        left = [after]
+
+        def opener(*args, **kwargs):
+            f = builtins.open(*args, **kwargs)
+            if left[0] > 0:
+                left[0] -= 1
+                return f
+            return _CutWriter(f)
+
+        monkeypatch.setattr(fileio, "open", opener, raising=False)
+
+    return cut

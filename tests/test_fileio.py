@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import subprocess
@@ -35,28 +34,10 @@ def test_the_new_file_has_the_permissions_write_text_gives(tmp_path):
     assert (tmp_path / "atomic.txt").stat().st_mode == (tmp_path / "plain.txt").stat().st_mode
 
 
-class _CutWriter:
-    """A text file whose write stores the first half of the text, then fails (a full disk)."""
-
-    def __init__(self, f) -> None:
-        self.f = f
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.f.close()
-
-    def write(self, text: str) -> int:
-        self.f.write(text[: len(text) // 2])
-        self.f.flush()
-        raise OSError(28, "No space left on device")
-
-
-def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary_file(tmp_path, monkeypatch):
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary_file(tmp_path, cut_writes):
     path = tmp_path / "vocab.json"
     path.write_text('{"old": 0}\n', encoding="utf-8")
-    monkeypatch.setattr(fileio, "open", lambda *a, **k: _CutWriter(builtins.open(*a, **k)), raising=False)
+    cut_writes()
     with pytest.raises(OSError, match="No space left"):
         write_text_atomic(path, json.dumps({f"token{i}": i for i in range(1000)}))
     assert path.read_text(encoding="utf-8") == '{"old": 0}\n'
@@ -105,10 +86,10 @@ def test_atomic_open_keeps_the_old_file_when_the_block_raises(tmp_path):
     assert path.read_text(encoding="utf-8") == "old\n" and _names(tmp_path) == ["records.jsonl"]
 
 
-def test_atomic_open_keeps_the_old_file_when_a_streamed_write_fails(tmp_path, monkeypatch):
+def test_atomic_open_keeps_the_old_file_when_a_streamed_write_fails(tmp_path, cut_writes):
     path = tmp_path / "records.jsonl"
     path.write_text("old\n", encoding="utf-8")
-    monkeypatch.setattr(fileio, "open", lambda *a, **k: _CutWriter(builtins.open(*a, **k)), raising=False)
+    cut_writes()
     with pytest.raises(OSError, match="No space left"):
         with atomic_open(path) as f:
             f.write("x" * 1000)
@@ -135,6 +116,10 @@ CALLERS = {
         from scratchlm.bench.results import write_json
         write_json(DIR / "results.json", [{"row": i, "tokens_per_s": 1e6} for i in range(100)])
     """,
+    "eval_write_jsonl": """
+        from scratchlm.align.evaluate import write_jsonl
+        write_jsonl([{"prompt": "q" * 40, "response": "a" * 40, "reward": 1.0}] * 100, DIR / "results.jsonl")
+    """,
 }
 
 
@@ -145,6 +130,7 @@ def _old_files(directory: Path) -> None:
     Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(directory)
     (directory / "config.toml").write_text("[model]\nd_model = 64\n", encoding="utf-8")
     (directory / "results.json").write_text("[]", encoding="utf-8")
+    (directory / "results.jsonl").write_text('{"prompt": "q", "response": "a", "reward": 0.0}\n', encoding="utf-8")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs RLIMIT_FSIZE")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.evaluate import evaluate_policy, format_summary, summarize
 from scratchlm.align.policy import Completion
@@ -118,3 +120,23 @@ def test_eval_math_command_checks_its_options_before_evaluating(tiny_policy, tmp
     with pytest.raises(AssertionError, match="evaluated"):  # a good --out in a new folder gets that far
         main([*base, "--out", str(tmp_path / "new" / "r.jsonl"), "--debug"])
     assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.parametrize("whole", [0, 1])
+def test_eval_math_outputs_are_old_or_whole_new_when_a_write_fails(tiny_policy, tmp_path, capsys, cut_writes, whole):
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+    out = tmp_path / "results.jsonl"
+    args = ["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--max-new-tokens", "4", "--out", str(out),
+            "--device", "cpu"]
+    assert main([*args, "--limit", "3"]) in (0, None)
+    records, summary = out.read_text(), out.with_suffix(".summary.json").read_text()
+    cut_writes(after=whole)  # the first `whole` files are written whole, the next is cut by a full disk
+    assert main([*args, "--limit", "2"]) not in (0, None)
+    assert "No space left" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == (3 if whole == 0 else 2)  # the old records or the new, whole
+    assert out.with_suffix(".summary.json").read_text() == summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "results.summary.json", "run"]
+    if whole == 0:
+        assert out.read_text() == records

@@ -72,3 +72,14 @@ def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
     with pytest.raises(UserError, match="neither a text file nor a dataset name"):
         qs.quickstart_command(["--out", str(out), "--data", str(tmp_path / "typo.txt"), "--steps", "1"])
     assert (out / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_corpus_write_that_fails_leaves_no_cut_file(tmp_path, cut_writes):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i} of a small corpus\n" for i in range(2000)), encoding="utf-8")
+    out = tmp_path / "qs"
+    cut_writes(after=1)  # the marker is written, the training text is cut short by a full disk
+    with pytest.raises(OSError, match="No space left"):
+        qs.quickstart_command(["--out", str(out), "--data", str(corpus), "--steps", "1", *TINY])
+    assert (out / qs.MARKER).read_text() == "{}\n"  # still a quickstart directory: a rerun replaces it
+    assert sorted(p.name for p in (out / "data").iterdir()) == []  # no cut train.txt, no temporary file

@@ -169,3 +169,13 @@ def test_file_url_mirror(tmp_path):
     result = download_dataset("tinystories-valid", tmp_path / "out", mirror=(tmp_path / "mirror").as_uri(),
                               progress=False)
     assert result.path.read_bytes() == TEXT
+
+
+def test_a_checksum_write_that_fails_keeps_the_old_checksum_file(server, tmp_path, cut_writes):
+    stale = tmp_path / "TinyStoriesV2-GPT4-valid.txt.sha256"
+    stale.write_text(f"{'0' * 64}  TinyStoriesV2-GPT4-valid.txt\n")  # the data file was deleted, not this
+    cut_writes()
+    with pytest.raises(OSError, match="No space left"):
+        fetch(server, tmp_path)
+    assert stale.read_text() == f"{'0' * 64}  TinyStoriesV2-GPT4-valid.txt\n"  # old, not cut
+    assert sorted(os.listdir(tmp_path)) == ["TinyStoriesV2-GPT4-valid.txt", "TinyStoriesV2-GPT4-valid.txt.sha256"]

@@ -23,6 +23,7 @@ from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
+from scratchlm.fileio import atomic_open
 
 
 def evaluate_policy(
@@ -104,10 +105,11 @@ def format_summary(summary: dict[str, Any], title: str = "") -> str:
 
 
 def write_jsonl(records: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
-    """One JSON object per line (parent folders created)."""
+    """One JSON object per line (parent folders created), streamed to a temporary file that then
+    replaces `path` (`scratchlm.fileio.atomic_open`): never a file cut short."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
+    with atomic_open(out) as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 

@@ -274,6 +274,7 @@ def eval_math_command(argv: list[str]) -> int:
     from scratchlm.align.prompts import get_template
     from scratchlm.align.reward_registry import select_reward
     from scratchlm.device import resolve_device
+    from scratchlm.fileio import write_text_atomic
 
     template = get_template(args.template)
     reward_fn = select_reward(args.reward, template=args.template, dataset=args.dataset)
@@ -288,8 +289,8 @@ def eval_math_command(argv: list[str]) -> int:
     if args.out:
         write_jsonl(records, args.out)
         summary_path = Path(args.out).with_suffix(".summary.json")
-        summary_path.write_text(json.dumps({"model": str(args.model), "dataset": args.dataset, "split": args.split,
-                                            "template": args.template, "reward": args.reward or "(template's own)",
-                                            **summary}, indent=2) + "\n",
-                                encoding="utf-8")
+        write_text_atomic(summary_path, json.dumps({"model": str(args.model), "dataset": args.dataset,
+                                                    "split": args.split, "template": args.template,
+                                                    "reward": args.reward or "(template's own)", **summary},
+                                                   indent=2) + "\n")
     return 0

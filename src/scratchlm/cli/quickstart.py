@@ -28,6 +28,7 @@ from typing import Any
 from scratchlm.config import load_config, split_overrides
 from scratchlm.data.corpus import EOT, build_corpus
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if steps remain
 MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
@@ -40,7 +41,7 @@ def prepare_out_dir(out: Path) -> None:
             raise UserError(f"{out} exists and is not a quickstart run; choose another --out")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("{}\n", encoding="utf-8")
+    write_text_atomic(out / MARKER, "{}\n")
 
 
 def measure_step_seconds(cfg: Any, steps: int = 3) -> float:
@@ -113,8 +114,8 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     prepare_out_dir(out)
     data = out / "data"
     data.mkdir()
-    (data / "train.txt").write_text(train_text, encoding="utf-8")
-    (data / "valid.txt").write_text(valid_text, encoding="utf-8")
+    write_text_atomic(data / "train.txt", train_text)
+    write_text_atomic(data / "valid.txt", valid_text)
     print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "
           f"{len(valid_text.encode()) / 1e6:.2f} MB validation")
     timings["corpus_s"] = time.perf_counter() - t0
@@ -168,7 +169,7 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     result = {"corpus": what, "params": n_params, "steps": trainer.step, "planned_steps": steps, "initial_val_loss": evals[0]["val_loss"],
               "final_val_loss": evals[-1]["val_loss"], "timings": timings, "vocab_size": tokenizer.vocab_size,
               "train_tokens": stats["train"]["num_tokens"], "valid_tokens": stats["valid"]["num_tokens"]}
-    (out / MARKER).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out / MARKER, json.dumps(result, indent=2) + "\n")
     print(f"\nvalidation loss {result['initial_val_loss']:.3f} -> {result['final_val_loss']:.3f} "
           f"({n_params / 1e6:.2f}M parameters, {trainer.step} steps) in {timings['total_s'] / 60:.1f} min total")
     if result["final_val_loss"] >= result["initial_val_loss"]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from scratchlm.data.registry import MIRROR_ENV, DatasetEntry, get_dataset
 from scratchlm.errors import UserError
+from scratchlm.fileio import write_text_atomic
 
 BLOCK = 1 << 20
 USER_AGENT = "scratchlm-download/0.1"
@@ -98,7 +99,7 @@ def download_dataset(
         served.unlink()
     elif entry.compression is not None:
         raise UserError(f"dataset {entry.name}: unknown compression {entry.compression!r}")
-    checksum_file.write_text(f"{digest}  {entry.remote_name}\n")
+    write_text_atomic(checksum_file, f"{digest}  {entry.remote_name}\n")
     return Downloaded(final, digest, verified=expected is not None, fetched=True)
 
 
@@ -115,7 +116,7 @@ def _already_present(entry: DatasetEntry, final: Path, checksum_file: Path, expe
     if expected and digest != expected:
         _quarantine(final, final, expected, digest)
     if digest and recorded is None:
-        checksum_file.write_text(f"{digest}  {entry.remote_name}\n")
+        write_text_atomic(checksum_file, f"{digest}  {entry.remote_name}\n")
     return Downloaded(final, digest, verified=expected is not None, fetched=False)
 
 
