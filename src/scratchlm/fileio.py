@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,6 +66,56 @@ def temporary_name(path: Path) -> Path:
 
 # What a writer killed mid-write may leave next to the file it was replacing (for copies to skip).
 TEMPORARY_GLOB = ".*.tmp"
+
+
+def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Make ``dst`` a copy of the directory ``src`` in one step; returns ``dst``.
+
+    The files are copied (skipping `TEMPORARY_GLOB` names, what a writer killed in ``src`` may
+    have left) into a temporary sibling of ``dst``, fsynced, and renamed into place. A previous
+    ``dst`` is renamed aside just before and removed after, so ``dst`` ends up exactly a copy of
+    ``src`` (nothing of the old copy is kept). A process killed during the copy leaves the old
+    ``dst`` as it was; only between the two renames is there no ``dst``, and then the old copy
+    is in a hidden ``.NAME.XXXXXXXX.tmp`` sibling. Such leftovers of an earlier kill are
+    removed by the next copy.
+    """
+    src, dst = Path(src), Path(dst)
+    for stale in dst.parent.glob(f".{glob_escape(dst.name)}.*.tmp"):
+        _remove(stale)
+    staging, old = temporary_name(dst), None
+    try:
+        shutil.copytree(src, staging, ignore=shutil.ignore_patterns(TEMPORARY_GLOB))
+        for directory, _, files in os.walk(staging):
+            for name in files:
+                fd = os.open(Path(directory) / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_directory(Path(directory))
+        if dst.exists() or dst.is_symlink():
+            old = temporary_name(dst)
+            os.rename(dst, old)
+        os.rename(staging, dst)
+    except BaseException:
+        if old is not None and not (dst.exists() or dst.is_symlink()):
+            with contextlib.suppress(OSError):
+                os.rename(old, dst)  # the new copy did not take its place: the old one goes back
+        _remove(staging)
+        raise
+    _fsync_directory(dst.parent)
+    if old is not None:
+        _remove(old)
+    return dst
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link or a directory tree; whatever cannot be removed is left."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _fsync_directory(directory: Path) -> None:

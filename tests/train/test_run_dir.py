@@ -29,3 +29,65 @@ def test_overwrite_refuses_the_current_directory(tmp_path, monkeypatch):
         with pytest.raises(UserError, match="holds the current directory"):
             prepare_run_dir(path, resume=False, overwrite=True)
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def _tokenizer_dir(path, vocab):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.json").write_text(vocab)
+    (path / "merges.txt").write_text(f"merges of {vocab}\n")
+    return path
+
+
+def _files(path):
+    return {p.relative_to(path).as_posix(): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_copy_tokenizer_replaces_the_previous_copy_whole_and_skips_temporary_files(tmp_path):
+    from scratchlm.train.run_dir import copy_tokenizer
+
+    src = _tokenizer_dir(tmp_path / "tok", '{"new": 1}')
+    (src / ".vocab.json.0123abcd.tmp").write_text('{"ne')  # left by a writer killed mid-write
+    run = tmp_path / "run"
+    _tokenizer_dir(run / "tokenizer", '{"old": 0}')
+    (run / "tokenizer" / "special_tokens.json").write_text("[]")  # of the old tokenizer only
+    assert copy_tokenizer(str(src), run) == run / "tokenizer"
+    assert _files(run / "tokenizer") == {"merges.txt": 'merges of {"new": 1}\n', "vocab.json": '{"new": 1}'}
+    assert sorted(p.name for p in run.iterdir()) == ["tokenizer"]
+    assert copy_tokenizer(str(run / "tokenizer"), run) == run / "tokenizer"  # already in place
+    assert copy_tokenizer("", run) is None
+
+
+def test_a_copy_that_fails_midway_keeps_the_previous_copy(tmp_path, monkeypatch):
+    from scratchlm import fileio
+    from scratchlm.train.run_dir import copy_tokenizer
+
+    src = _tokenizer_dir(tmp_path / "tok", '{"new": 1}')
+    run = tmp_path / "run"
+    _tokenizer_dir(run / "tokenizer", '{"old": 0}')
+    before = _files(run / "tokenizer")
+    copied = []
+
+    def copy_then_fail(a, b, **kwargs):  # the first file is copied, then the disk is full
+        if copied:
+            raise OSError(28, "No space left on device")
+        copied.append(b)
+        return fileio.shutil.copy2(a, b)
+
+    real = fileio.shutil.copytree
+    monkeypatch.setattr(fileio.shutil, "copytree", lambda a, b, **k: real(a, b, copy_function=copy_then_fail, **k))
+    with pytest.raises(OSError, match="No space left"):
+        copy_tokenizer(str(src), run)
+    assert copied and _files(run / "tokenizer") == before
+    assert sorted(p.name for p in run.iterdir()) == ["tokenizer"]
+
+
+def test_a_copy_killed_between_its_renames_is_cleaned_up_by_the_next(tmp_path):
+    from scratchlm.train.run_dir import copy_tokenizer
+
+    src = _tokenizer_dir(tmp_path / "tok", '{"new": 1}')
+    run = tmp_path / "run"
+    _tokenizer_dir(run / ".tokenizer.0123abcd.tmp", '{"old": 0}')  # the old copy, set aside
+    _tokenizer_dir(run / ".tokenizer.4567cdef.tmp", '{"ne')  # a new copy, cut short
+    copy_tokenizer(str(src), run)
+    assert _files(run / "tokenizer") == {"merges.txt": 'merges of {"new": 1}\n', "vocab.json": '{"new": 1}'}
+    assert sorted(p.name for p in run.iterdir()) == ["tokenizer"]

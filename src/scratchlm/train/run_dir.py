@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import copy_tree_atomic
 
 _RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoints")
 # What only a run that started writes: config.toml alone is too common a name to delete a folder for.
@@ -84,7 +85,11 @@ def environment_info() -> dict[str, Any]:
 
 
 def copy_tokenizer(tokenizer_dir: str, run_dir: Path) -> Path | None:
-    """Copy the configured tokenizer directory into ``RUN/tokenizer`` (for sampling/export)."""
+    """Copy the configured tokenizer directory into ``RUN/tokenizer`` (for sampling/export).
+
+    In one step (`scratchlm.fileio.copy_tree_atomic`): a run killed while copying leaves the
+    previous copy, never half of the new one, and a previous copy is replaced whole. Temporary
+    files a killed writer left in the source (``.*.tmp``) are not copied."""
     if not tokenizer_dir:
         return None
     src = Path(tokenizer_dir)
@@ -92,5 +97,5 @@ def copy_tokenizer(tokenizer_dir: str, run_dir: Path) -> Path | None:
         raise UserError(f"data.tokenizer_dir {src} is not a directory")
     dst = run_dir / "tokenizer"
     if src.resolve() != dst.resolve():
-        shutil.copytree(src, dst, dirs_exist_ok=True)
+        copy_tree_atomic(src, dst)
     return dst
