@@ -134,34 +134,41 @@ class DecodeEngine:
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
 
     def _compiled_step(self, backend="inductor"):
-        """`_decode_logits` under `torch.compile`, compiled for this engine alone.
+        """`_decode_logits` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
+
+        With dynamic shapes one engine needs few entries: one for b == 1 (sizes 0 and 1 are
+        always specialised) and one for every other b; the cache buffers are one position longer
+        than max_len (`StaticKVCache.buffers`) so that the window of L <= max_len slots never
+        covers a whole buffer, whose layout (contiguous or not) would otherwise be a guard of its
+        own. The recompile limit is raised to the number of (b, L) buckets the engine can step: a
+        bound on what it can ever need, should a torch version specialise on more than the above.
+        `backend`: torch.compile's (tests pass a counter).
+        """
+        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+        return self._own_compiled(DecodeEngine._decode_logits, buckets, backend)
+
+    def _own_compiled(self, fn, limit: int, backend):
+        """`fn` (a method of the engine) under `torch.compile(dynamic=True)`, bound to this engine
+        and compiled for it alone; around its calls the recompile limit is at least `limit`.
 
         Dynamo keeps its compiled entries on the function's code object and falls back to eager
         (inside our CUDA graphs: the slow uncompiled step) once one code object holds
-        `recompile_limit` (8) entries whose guards failed. With dynamic shapes one engine needs
-        few: one for b == 1 (sizes 0 and 1 are always specialised) and one for every other b;
-        the cache buffers are one position longer than max_len (`StaticKVCache.buffers`) so that
-        the window of L <= max_len slots never covers a whole buffer, whose layout (contiguous or
-        not) would otherwise be a guard of its own. But all engines of a process would share the
-        one code object of `DecodeEngine._decode_logits`, and an engine whose cache has another
-        shape fails the guards of the other engines' entries and adds its own:
-        benchmarks/generate.py, which builds five compiled engines, hit the limit in its last.
-        So each engine compiles its own copy of the function (same code, its own code object,
-        hence its own entries), and around its calls the limit is raised to the number of (b, L)
-        buckets the engine can step: a bound on what it can ever need, should a torch version
-        specialise on more than the above. `backend`: torch.compile's (tests pass a counter).
+        `recompile_limit` (8) entries whose guards failed. All engines of a process would share
+        the one code object of a method, and an engine whose cache has another shape fails the
+        guards of the other engines' entries and adds its own: benchmarks/generate.py, which
+        builds five compiled engines, hit the limit in its last. So each engine compiles its own
+        copy of the function (same code, its own code object, hence its own entries), and the
+        limit is raised, for its calls only, to a bound on the entries this engine can need.
         """
-        fn = DecodeEngine._decode_logits
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         own.__qualname__ = fn.__qualname__
         compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
-        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
 
-        def step(tokens: Tensor, pos: Tensor, L: int) -> Tensor:
-            with torch._dynamo.config.patch(_recompile_limits(buckets)):
-                return compiled(tokens, pos, L)
+        def call(*args):
+            with torch._dynamo.config.patch(_recompile_limits(limit)):
+                return compiled(*args)
 
-        return step
+        return call
 
     def _record(self, nxt: Tensor, b: int) -> None:
         """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
