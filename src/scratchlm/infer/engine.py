@@ -229,7 +229,8 @@ class DecodeEngine:
 
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], max_tokens: int = 16384) -> Tensor:
         """Prefill `prompts` into `slots`; their next-token logits (n, V), in order."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        n = len(prompts)
+        order = sorted(range(n), key=lambda i: len(prompts[i]))
         chunks, chunk = [], []
         for i in order:  # similar lengths together, at most ~max_tokens padded tokens a forward
             if chunk and len(prompts[i]) * (len(chunk) + 1) > max_tokens:  # sorted: the longest yet
@@ -237,19 +238,26 @@ class DecodeEngine:
                 chunk = []
             chunk.append(i)
         chunks.append(chunk)
-        logits = [None] * len(prompts)
+        parts = []
         for chunk in chunks:
             T = max(len(prompts[i]) for i in chunk)
             ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in chunk],
                                dtype=torch.long, device=self.device)
-            lens = torch.tensor([len(prompts[i]) for i in chunk], device=self.device)
+            last = torch.tensor([len(prompts[i]) - 1 for i in chunk], device=self.device)
             rows = torch.tensor([slots[i] for i in chunk], device=self.device)
-            view = PrefillView(self.cache, rows, T)
-            chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1,
-                                      self.head).float()
-            for j, i in enumerate(chunk):
-                logits[i] = chunk_logits[j]
-        return torch.stack(logits)
+            parts.append(self._prefill_logits(ids, rows, last))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, V), the prompts in `order`
+        if order == list(range(n)):
+            return logits
+        inverse = sorted(range(n), key=order.__getitem__)  # prompt i's row of `logits`
+        return logits[torch.tensor(inverse, device=self.device)]
+
+    def _prefill_logits(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
+        """Prefill right-padded prompts ids (n, T) into the cache rows `rows` (n,); the logits
+        (n, V) at index last (n,) of each row (its final token)."""
+        T = ids.shape[1]
+        view = PrefillView(self.cache, rows, T)
+        return _lm_logits(self.model, ids, torch.arange(T, device=ids.device), view, last, self.head).float()
 
     def _start_rows(self, slots: list[int], prompts: list[Sequence[int]], budgets: list[int], sampling) -> None:
         """Prefill prompts into slots and sample their first tokens."""
