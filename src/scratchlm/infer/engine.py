@@ -159,13 +159,19 @@ class DecodeEngine:
         builds five compiled engines, hit the limit in its last. So each engine compiles its own
         copy of the function (same code, its own code object, hence its own entries), and the
         limit is raised, for its calls only, to a bound on the entries this engine can need.
+
+        Duck sizing is off while it compiles: by default sizes of the same value share one symbol,
+        so a batch or width that happens to equal a size of the weights (the stacked projections
+        are plain tensors, dynamic too) would be specialised to that value by the matmul.
         """
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         own.__qualname__ = fn.__qualname__
         compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
+        fx_config = torch.fx.experimental._config
+        no_duck = {"use_duck_shape": False} if hasattr(fx_config, "use_duck_shape") else {}
 
         def call(*args):
-            with torch._dynamo.config.patch(_recompile_limits(limit)):
+            with torch._dynamo.config.patch(_recompile_limits(limit)), fx_config.patch(no_duck):
                 return compiled(*args)
 
         return call
