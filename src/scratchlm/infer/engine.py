@@ -25,8 +25,12 @@ running them. So the per-token work is made replayable:
   slots so that the step shrinks to the next smaller batch size.
 
 Prefill runs the model's ordinary forward over right-padded prompts (causal attention only),
-writing each row's keys/values to slots 0 .. len - 1 of its slot. Row results do not depend on
-which other rows share the batch, except for the random stream when sampling.
+writing each row's keys/values to slots 0 .. len - 1 of its slot (the padding's go to the slots
+after, masked until decoding overwrites them). Row results do not depend on which other rows
+share the batch, except for the random stream when sampling. With `compile` on CUDA the prefill
+forward is compiled too (dynamic in the number of rows and the width), its width rounded up to a
+multiple of `PREFILL_BUCKET`: a small model's eager prefill is all host overhead (some 26 ms a
+call for an 11M-parameter, 6-layer model on an H100, a third of a batch of short rollouts).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from scratchlm.infer.padded_head import PaddedHead
 from scratchlm.infer.sampling import sample_next
 from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
+
+
+# The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
+# which torch.compile would specialise on, for little padding.
+PREFILL_BUCKET = 16
 
 
 def batch_buckets(slots: int) -> list[int]:
@@ -80,15 +89,15 @@ class DecodeEngine:
     """Batched generation over `slots` rows with a static cache of `max_len` positions per row.
 
     One engine can serve many `run` calls with the same slot count and maximum length; its
-    captured steps are kept. `compile` wraps the step's forward in `torch.compile` (CUDA only);
-    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `stack_projections` (default)
-    keeps each layer's q|k|v and w1|w3 weights as one matrix each, refreshed from the model at
-    every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a step, for a copy of those
-    weights in memory (in the autocast dtype under autocast), made only where it takes at most a
-    quarter of the GPU memory free when the engine is built. `pad_lm_head` (default) does the same
-    for the LM head where the vocabulary size is not a multiple of 64: a copy of its weight with
-    zero rows up to one (`scratchlm.infer.padded_head`), for aligned logits rows; it counts
-    against the same quarter with the stacked copies.
+    captured steps are kept. `compile` wraps the step's forward and the prefill's in
+    `torch.compile` (CUDA only); `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
+    `stack_projections` (default) keeps each layer's q|k|v and w1|w3 weights as one matrix each,
+    refreshed from the model at every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a
+    step, for a copy of those weights in memory (in the autocast dtype under autocast), made only
+    where it takes at most a quarter of the GPU memory free when the engine is built.
+    `pad_lm_head` (default) does the same for the LM head where the vocabulary size is not a
+    multiple of 64: a copy of its weight with zero rows up to one (`scratchlm.infer.padded_head`),
+    for aligned logits rows; it counts against the same quarter with the stacked copies.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
@@ -112,8 +121,14 @@ class DecodeEngine:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         self._forward = self._decode_logits
+        self._prefill_forward = self._prefill_logits
+        self.prefill_bucket = 1  # prefill widths are rounded up to a multiple of this
+        # the widest prefill: within the cache and the model's positions
+        self._prefill_cap = min(max_len, getattr(model, "context_length", max_len))
         if compile and cuda:
             self._forward = self._compiled_step()
+            self.prefill_bucket = PREFILL_BUCKET
+            self._prefill_forward = self._compiled_prefill()
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
@@ -137,34 +152,47 @@ class DecodeEngine:
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
 
     def _compiled_step(self, backend="inductor"):
-        """`_decode_logits` under `torch.compile`, compiled for this engine alone.
+        """`_decode_logits` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
+
+        With dynamic shapes one engine needs few entries: one for b == 1 (sizes 0 and 1 are
+        always specialised) and one for every other b; the cache buffers are one position longer
+        than max_len (`StaticKVCache.buffers`) so that the window of L <= max_len slots never
+        covers a whole buffer, whose layout (contiguous or not) would otherwise be a guard of its
+        own. The recompile limit is raised to the number of (b, L) buckets the engine can step: a
+        bound on what it can ever need, should a torch version specialise on more than the above.
+        `backend`: torch.compile's (tests pass a counter).
+        """
+        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+        return self._own_compiled(DecodeEngine._decode_logits, buckets, backend)
+
+    def _own_compiled(self, fn, limit: int, backend):
+        """`fn` (a method of the engine) under `torch.compile(dynamic=True)`, bound to this engine
+        and compiled for it alone; around its calls the recompile limit is at least `limit`.
 
         Dynamo keeps its compiled entries on the function's code object and falls back to eager
         (inside our CUDA graphs: the slow uncompiled step) once one code object holds
-        `recompile_limit` (8) entries whose guards failed. With dynamic shapes one engine needs
-        few: one for b == 1 (sizes 0 and 1 are always specialised) and one for every other b;
-        the cache buffers are one position longer than max_len (`StaticKVCache.buffers`) so that
-        the window of L <= max_len slots never covers a whole buffer, whose layout (contiguous or
-        not) would otherwise be a guard of its own. But all engines of a process would share the
-        one code object of `DecodeEngine._decode_logits`, and an engine whose cache has another
-        shape fails the guards of the other engines' entries and adds its own:
-        benchmarks/generate.py, which builds five compiled engines, hit the limit in its last.
-        So each engine compiles its own copy of the function (same code, its own code object,
-        hence its own entries), and around its calls the limit is raised to the number of (b, L)
-        buckets the engine can step: a bound on what it can ever need, should a torch version
-        specialise on more than the above. `backend`: torch.compile's (tests pass a counter).
+        `recompile_limit` (8) entries whose guards failed. All engines of a process would share
+        the one code object of a method, and an engine whose cache has another shape fails the
+        guards of the other engines' entries and adds its own: benchmarks/generate.py, which
+        builds five compiled engines, hit the limit in its last. So each engine compiles its own
+        copy of the function (same code, its own code object, hence its own entries), and the
+        limit is raised, for its calls only, to a bound on the entries this engine can need.
+
+        Duck sizing is off while it compiles: by default sizes of the same value share one symbol,
+        so a batch or width that happens to equal a size of the weights (the stacked projections
+        are plain tensors, dynamic too) would be specialised to that value by the matmul.
         """
-        fn = DecodeEngine._decode_logits
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         own.__qualname__ = fn.__qualname__
         compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
-        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+        fx_config = torch.fx.experimental._config
+        no_duck = {"use_duck_shape": False} if hasattr(fx_config, "use_duck_shape") else {}
 
-        def step(tokens: Tensor, pos: Tensor, L: int) -> Tensor:
-            with torch._dynamo.config.patch(_recompile_limits(buckets)):
-                return compiled(tokens, pos, L)
+        def call(*args):
+            with torch._dynamo.config.patch(_recompile_limits(limit)), fx_config.patch(no_duck):
+                return compiled(*args)
 
-        return step
+        return call
 
     def _record(self, nxt: Tensor, b: int) -> None:
         """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
@@ -225,7 +253,8 @@ class DecodeEngine:
 
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], max_tokens: int = 16384) -> Tensor:
         """Prefill `prompts` into `slots`; their next-token logits (n, V), in order."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        n = len(prompts)
+        order = sorted(range(n), key=lambda i: len(prompts[i]))
         chunks, chunk = [], []
         for i in order:  # similar lengths together, at most ~max_tokens padded tokens a forward
             if chunk and len(prompts[i]) * (len(chunk) + 1) > max_tokens:  # sorted: the longest yet
@@ -233,19 +262,44 @@ class DecodeEngine:
                 chunk = []
             chunk.append(i)
         chunks.append(chunk)
-        logits = [None] * len(prompts)
+        # compiled once the cache's buffers exist (the first prefill allocates them, in its keys' dtype)
+        forward = self._prefill_forward if self.cache.k[0] is not None else self._prefill_logits
+        parts = []
         for chunk in chunks:
             T = max(len(prompts[i]) for i in chunk)
+            T = min(-(-T // self.prefill_bucket) * self.prefill_bucket, self._prefill_cap)
             ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in chunk],
                                dtype=torch.long, device=self.device)
-            lens = torch.tensor([len(prompts[i]) for i in chunk], device=self.device)
+            last = torch.tensor([len(prompts[i]) - 1 for i in chunk], device=self.device)
             rows = torch.tensor([slots[i] for i in chunk], device=self.device)
-            view = PrefillView(self.cache, rows, T)
-            chunk_logits = _lm_logits(self.model, ids, torch.arange(T, device=self.device), view, lens - 1,
-                                      self.head).float()
-            for j, i in enumerate(chunk):
-                logits[i] = chunk_logits[j]
-        return torch.stack(logits)
+            parts.append(forward(ids, rows, last))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, V), the prompts in `order`
+        if order == list(range(n)):
+            return logits
+        inverse = sorted(range(n), key=order.__getitem__)  # prompt i's row of `logits`
+        return logits[torch.tensor(inverse, device=self.device)]
+
+    def _prefill_logits(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
+        """Prefill right-padded prompts ids (n, T) into the cache rows `rows` (n,); the logits
+        (n, V) at index last (n,) of each row (its final token)."""
+        T = ids.shape[1]
+        view = PrefillView(self.cache, rows, T)
+        return _lm_logits(self.model, ids, torch.arange(T, device=ids.device), view, last, self.head).float()
+
+    def _compiled_prefill(self, backend="inductor"):
+        """`_prefill_logits` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
+
+        The number of rows n and the width T are dynamic: the entries are n == 1 and n > 1 (sizes
+        1 are specialised; `_prefill` rounds T up to a multiple of `prefill_bucket`, so T > 1 while
+        max_len allows), each for T at most the sliding window and above it, where the model has
+        one (`PrefillView` builds a mask only for the latter). The recompile limit is raised to
+        two entries a width: a bound, should a torch version specialise on T. Padding the width
+        is safe because attention is causal: the padding changes no real token's logits, and its
+        keys and values land in slots past the row's length, masked in decoding until overwritten,
+        as the right padding of the shorter prompts always was. `backend`: torch.compile's.
+        """
+        widths = -(-self._prefill_cap // self.prefill_bucket)
+        return self._own_compiled(DecodeEngine._prefill_logits, 2 * widths, backend)
 
     def _start_rows(self, slots: list[int], prompts: list[Sequence[int]], budgets: list[int], sampling) -> None:
         """Prefill prompts into slots and sample their first tokens."""

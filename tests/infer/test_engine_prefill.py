@@ -1,0 +1,201 @@
+"""The engine's prefill: rows back in prompt order, and its compiled forward against the eager one."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from scratchlm.infer.engine import PREFILL_BUCKET, DecodeEngine, _lm_logits
+from scratchlm.infer.static_cache import PrefillView
+from scratchlm.model.transformer import TransformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = TransformerLM(vocab_size=50, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                      rope_theta=10_000.0, dtype=torch.float32, **kw)
+    with torch.no_grad():  # confident greedy paths: no argmax near-ties between equal computations
+        m.lm_head.weight.mul_(8)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    # grouped-query attention, QK-norm and a window shorter than most prompts
+    return _model(1, num_kv_heads=2, qk_norm=True, sliding_window=6)
+
+
+def _prompts(n, seed=0, lo=1, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 50, (k,), generator=g).tolist() for k in lens]
+
+
+def _prefill_row_by_row(engine, slots, prompts, max_tokens=16384):
+    # The former gathering of the rows: one chunk's rows at a time into a list, then a stack.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    chunks, chunk = [], []
+    for i in order:
+        if chunk and len(prompts[i]) * (len(chunk) + 1) > max_tokens:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(i)
+    chunks.append(chunk)
+    logits = [None] * len(prompts)
+    for chunk in chunks:
+        T = max(len(prompts[i]) for i in chunk)
+        ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in chunk])
+        lens = torch.tensor([len(prompts[i]) for i in chunk])
+        rows = torch.tensor([slots[i] for i in chunk])
+        view = PrefillView(engine.cache, rows, T)
+        chunk_logits = _lm_logits(engine.model, ids, torch.arange(T), view, lens - 1, engine.head).float()
+        for j, i in enumerate(chunk):
+            logits[i] = chunk_logits[j]
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("max_tokens", [16384, 40, 1])
+def test_prefill_returns_the_rows_in_prompt_order_as_before(model, max_tokens):
+    # one chunk, a few, one prompt a chunk; slots in no particular order
+    prompts = _prompts(7, seed=5)
+    slots = [6, 0, 3, 1, 5, 2, 4]
+    with torch.inference_mode():
+        ours, theirs = DecodeEngine(model, 7, 32), DecodeEngine(model, 7, 32)
+        for engine in (ours, theirs):
+            engine._refresh_projections()
+        got = ours._prefill(slots, prompts, max_tokens=max_tokens)
+        expected = _prefill_row_by_row(theirs, slots, prompts, max_tokens=max_tokens)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for mine, ref in zip(ours.cache.k + ours.cache.v, theirs.cache.k + theirs.cache.v):
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+        # sorted already: the forward's rows as they come
+        ordered = sorted(prompts, key=len)
+        torch.testing.assert_close(ours._prefill(slots, ordered), _prefill_row_by_row(theirs, slots, ordered),
+                                   rtol=0, atol=0)
+
+
+# ---- the compiled prefill ------------------------------------------------------------------
+
+_CONFIG = torch._dynamo.config
+_LIMIT = "recompile_limit" if hasattr(_CONFIG, "recompile_limit") else "cache_size_limit"
+# a fallback raises instead of quietly running eagerly (where torch has the switch)
+_STRICT = {"fail_on_recompile_limit_hit": True} if hasattr(_CONFIG, "fail_on_recompile_limit_hit") else {}
+
+
+@pytest.fixture(scope="module")
+def window_model():
+    # grouped-query attention and a window that prefills of 16 tokens fit in and those of 32 not
+    return _model(2, num_kv_heads=2, qk_norm=True, sliding_window=20)
+
+
+def _compiled(engine, counter):
+    # What compile=True sets up on CUDA, with `counter` as the backend (eager kernels: CPU)
+    engine.prefill_bucket = PREFILL_BUCKET
+    engine._prefill_forward = engine._compiled_prefill(backend=counter)
+    engine._refresh_projections()
+    return engine
+
+
+def test_the_cpu_engine_prefills_eagerly(model):
+    engine = DecodeEngine(model, 2, 32, compile=True)
+    assert engine._prefill_forward == engine._prefill_logits and engine.prefill_bucket == 1
+
+
+@pytest.mark.parametrize("name", ["model", "window_model"])
+def test_compiled_prefill_equals_eager_with_few_compiles(name, request):
+    m = request.getfixturevalue(name)
+    counter = CompileCounterWithBackend("aot_eager")  # functionalised: the cache writes as index_put
+    shapes = [(3, 5), (5, 17), (2, 9), (1, 4), (4, 30), (6, 12), (1, 20)]  # (n, longest prompt)
+    with _CONFIG.patch({_LIMIT: 1, **_STRICT}), torch.inference_mode():
+        compiled = _compiled(DecodeEngine(m, 6, 48), counter)
+        eager = DecodeEngine(m, 6, 48)
+        eager._refresh_projections()
+        for k, (n, T) in enumerate(shapes):
+            prompts = _prompts(n - 1, seed=k, hi=T) + [_prompts(1, seed=k, lo=T, hi=T + 1)[0]]
+            slots = torch.randperm(6, generator=torch.Generator().manual_seed(k))[:n].tolist()
+            got, expected = compiled._prefill(slots, prompts), eager._prefill(slots, prompts)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+            for s, p in zip(slots, prompts):  # the real tokens' keys and values, in the right rows
+                for ours, theirs in zip(compiled.cache.k + compiled.cache.v, eager.cache.k + eager.cache.v):
+                    torch.testing.assert_close(ours[s, :, :len(p)], theirs[s, :, :len(p)], rtol=1e-5, atol=1e-5)
+        assert getattr(_CONFIG, _LIMIT) == 1  # raised around the engine's calls only
+    # the first prefill allocates the cache, eagerly; then n == 1 and n > 1, and for the window
+    # model each for widths within the window (16) and beyond it (32, 48)
+    assert 2 <= counter.frame_count <= (2 if name == "model" else 4)
+
+
+@pytest.mark.parametrize("name", ["model", "window_model"])
+def test_engine_with_compiled_prefill_generates_as_the_eager_one(name, request):
+    # refill of finished rows' slots (prefill of a few rows), stop ids, decoding past the window
+    m = request.getfixturevalue(name)
+    prompts = _prompts(9, seed=7, lo=1, hi=30)
+    budgets = [3, 9, 1, 30, 12, 2, 5, 17, 8]
+    with torch.inference_mode():
+        expected = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2).run(prompts, budgets, temperature=0)
+        assert len({tuple(o) for o in expected}) > 1
+        stops = [expected[3][4]]
+        expected_stopped = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2).run(
+            prompts, budgets, temperature=0, stop_ids=stops)
+        counter = CompileCounter()
+        engine = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2)
+        engine.prefill_bucket = PREFILL_BUCKET
+        engine._prefill_forward = engine._compiled_prefill(backend=counter)
+        assert engine.run(prompts, budgets, temperature=0) == expected
+        assert engine.run(prompts, budgets, temperature=0, stop_ids=stops) == expected_stopped
+        assert counter.frame_count >= 1  # the refills and the second run went through it
+        # padding the width alone (eager) changes nothing either
+        padded = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2)
+        padded.prefill_bucket = PREFILL_BUCKET
+        assert padded.run(prompts, budgets, temperature=0) == expected
+
+
+def test_prefill_width_stays_within_the_cache_and_the_model(model):
+    # max_len 40 (not a multiple of the bucket); a model of context 64 with a cache of 80
+    with torch.inference_mode():
+        engine = DecodeEngine(model, 2, 40)
+        engine.prefill_bucket = PREFILL_BUCKET
+        eager = DecodeEngine(model, 2, 40)
+        prompts = [list(range(1, 38)), [3, 4]]
+        torch.testing.assert_close(engine._prefill([0, 1], prompts), eager._prefill([0, 1], prompts))
+        wide = DecodeEngine(model, 1, 80)
+        wide.prefill_bucket = PREFILL_BUCKET
+        assert wide._prefill_cap == 64
+        wide._prefill([0], [list(range(50))])  # padded to 64, not 64 + 16 positions
+
+
+@pytest.mark.gpu
+def test_compiled_prefill_on_cuda_equals_eager():
+    # inductor, dynamic shapes: prefills of several (n, T), with and without a sliding window
+    # and grouped-query attention, under compile=True against the uncompiled engine
+    for kw in ({}, {"num_kv_heads": 2, "qk_norm": True, "sliding_window": 24}):
+        torch.manual_seed(0)
+        m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=2, num_heads=4, d_ff=384,
+                          rope_theta=10_000.0, device="cuda", **kw)
+        with torch.no_grad():
+            m.lm_head.weight.mul_(8)
+        with _CONFIG.patch(_STRICT), torch.inference_mode():
+            compiled = DecodeEngine(m, 8, 192, len_bucket=64, compile=True)
+            eager = DecodeEngine(m, 8, 192, len_bucket=64, cuda_graphs=False)
+            assert compiled.prefill_bucket == PREFILL_BUCKET
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            for k, (n, T) in enumerate([(8, 40), (3, 17), (1, 5), (5, 90), (8, 33), (2, 3), (1, 60)]):
+                g = torch.Generator().manual_seed(k)
+                prompts = [torch.randint(1, 300, (int(torch.randint(1, T + 1, (1,), generator=g)),),
+                                         generator=g).tolist() for _ in range(n - 1)] + [list(range(1, T + 1))]
+                budgets = [min(30, 192 - len(p)) for p in prompts]
+                out = compiled.run(prompts, budgets, temperature=0)
+                assert out == eager.run(prompts, budgets, temperature=0), (kw, n, T)
+                slots = list(range(n))[::-1]
+                torch.testing.assert_close(compiled._prefill(slots, prompts), eager._prefill(slots, prompts),
+                                           rtol=1e-3, atol=1e-3)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            # decode: b == 1 and b > 1; prefill: n == 1 and n > 1 (each within and beyond the window)
+            assert 3 <= graphs <= (4 if "sliding_window" not in kw else 6), (kw, graphs)
