@@ -199,3 +199,37 @@ def test_compiled_prefill_on_cuda_equals_eager():
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
             # decode: b == 1 and b > 1; prefill: n == 1 and n > 1 (each within and beyond the window)
             assert 3 <= graphs <= (4 if "sliding_window" not in kw else 6), (kw, graphs)
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this compiler cannot take the graph")
+
+
+def test_a_compiled_prefill_that_fails_at_first_falls_back_to_eager_with_a_warning(model):
+    torch.manual_seed(0)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    expected = DecodeEngine(model, 3, 32).run(prompts, [6, 6, 6], temperature=0)
+    engine = DecodeEngine(model, 3, 32)
+    engine.prefill_bucket = PREFILL_BUCKET
+    engine._prefill_forward = engine._compiled_prefill(backend=_failing_backend)
+    engine.run([[1, 2]], [1], temperature=0)  # the first prefill is eager: it allocates the cache
+    with pytest.warns(RuntimeWarning, match="compiled prefill failed .*prefilling eagerly"):
+        assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
+    assert engine._prefill_forward == engine._prefill_logits  # dropped for good
+
+
+def test_a_compiled_prefill_that_worked_raises_its_later_errors(model):
+    engine = DecodeEngine(model, 2, 32)
+    calls = []
+
+    def flaky(ids, rows, last):
+        calls.append(ids.shape)
+        if len(calls) > 1:
+            raise RuntimeError("out of memory")
+        return engine._prefill_logits(ids, rows, last)
+
+    engine._prefill_forward = flaky
+    engine.run([[1, 2]], [1], temperature=0)  # eager: allocates the cache
+    engine.run([[1, 2, 3]], [1], temperature=0)  # the stand-in works once
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.run([[4, 5, 6]], [1], temperature=0)

@@ -36,6 +36,7 @@ call for an 11M-parameter, 6-layer model on an H100, a third of a batch of short
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -122,6 +123,7 @@ class DecodeEngine:
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         self._forward = self._decode_logits
         self._prefill_forward = self._prefill_logits
+        self._prefill_compiled_ran = False  # whether the compiled prefill has run once (`_prefill_call`)
         self.prefill_bucket = 1  # prefill widths are rounded up to a multiple of this
         # the widest prefill: within the cache and the model's positions
         self._prefill_cap = min(max_len, getattr(model, "context_length", max_len))
@@ -272,12 +274,30 @@ class DecodeEngine:
                                dtype=torch.long, device=self.device)
             last = torch.tensor([len(prompts[i]) - 1 for i in chunk], device=self.device)
             rows = torch.tensor([slots[i] for i in chunk], device=self.device)
-            parts.append(forward(ids, rows, last))
+            parts.append(self._prefill_call(forward, ids, rows, last))
+            forward = self._prefill_forward  # (eager from here if the compiled one gave up)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, V), the prompts in `order`
         if order == list(range(n)):
             return logits
         inverse = sorted(range(n), key=order.__getitem__)  # prompt i's row of `logits`
         return logits[torch.tensor(inverse, device=self.device)]
+
+    def _prefill_call(self, forward, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
+        """forward(ids, rows, last); a compiled prefill whose first call fails (a compiler that
+        cannot take the graph) is dropped, with a warning, for the eager one: prefill is a small
+        share of decoding, not worth failing a run for. Once it has worked, its errors are raised."""
+        if forward == self._prefill_logits or self._prefill_compiled_ran:
+            return forward(ids, rows, last)
+        try:
+            out = forward(ids, rows, last)
+        except Exception as exc:  # (rerunning eagerly rewrites the same cache slots)
+            why = " ".join(str(exc).split())[:300]  # one line
+            warnings.warn(f"compiled prefill failed ({type(exc).__name__}: {why}); prefilling eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self._prefill_forward = self._prefill_logits
+            return self._prefill_logits(ids, rows, last)
+        self._prefill_compiled_ran = True
+        return out
 
     def _prefill_logits(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
         """Prefill right-padded prompts ids (n, T) into the cache rows `rows` (n,); the logits
