@@ -7,6 +7,7 @@ from scratchlm.infer.engine import DecodeEngine, batch_buckets
 from scratchlm.infer.generate import generate
 from scratchlm.model.transformer import TransformerLM
 from tests.char_tokenizer import CharTokenizer
+from tests.infer.cuda_models import peaked_cuda_lm
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -136,11 +137,7 @@ def test_one_engine_runs_under_inference_mode_and_no_grad_in_turn(model, modes, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_engine_matches_dynamic(compile):
-    torch.manual_seed(0)
-    m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=3, num_heads=4, d_ff=384,
-                      rope_theta=10_000.0, device="cuda")
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8)
+    m = peaked_cuda_lm(num_layers=3, context_length=600)
     prompts = [list(range(1, 40)), [5], list(range(100, 117)), list(range(7, 290))] * 3
     expected = generate(m, prompts, 300, temperature=0, kv_cache="dynamic", eos_id=[17, 99])
     assert generate(m, prompts, 300, temperature=0, eos_id=[17, 99], compile=compile, max_batch=5) == expected

@@ -7,6 +7,7 @@ from torch._dynamo.testing import CompileCounter
 
 from scratchlm.infer.engine import DecodeEngine, _recompile_limits, batch_buckets
 from scratchlm.model.transformer import TransformerLM
+from tests.infer.cuda_models import peaked_cuda_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,11 +71,7 @@ def test_the_limit_is_raised_to_the_engines_buckets_around_its_calls(model):
 def test_compiled_cuda_engines_do_not_hit_the_recompile_limit():
     # The inductor-compiled, captured step on the GPU: several engines in one process, each
     # decoding until its attention window is the whole cache (L == max_len).
-    torch.manual_seed(0)
-    m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=2, num_heads=4, d_ff=384,
-                      rope_theta=10_000.0, device="cuda")
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8)
+    m = peaked_cuda_lm(num_layers=2, context_length=600)
     prompts = [list(range(1, 40)), [5], list(range(100, 117)), list(range(7, 60))] * 2
     with _CONFIG.patch(_STRICT), torch.inference_mode():
         for slots, max_len in [(1, 128), (3, 128), (8, 192), (5, 256), (8, 128)]:

@@ -8,6 +8,7 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from scratchlm.infer.engine import PREFILL_BUCKET, DecodeEngine, _lm_logits
 from scratchlm.infer.static_cache import PrefillView
 from scratchlm.model.transformer import TransformerLM
+from tests.infer.cuda_models import peaked_cuda_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,11 +177,7 @@ def test_compiled_prefill_on_cuda_equals_eager():
     # inductor, dynamic shapes: prefills of several (n, T), with and without a sliding window
     # and grouped-query attention, under compile=True against the uncompiled engine
     for kw in ({}, {"num_kv_heads": 2, "qk_norm": True, "sliding_window": 24}):
-        torch.manual_seed(0)
-        m = TransformerLM(vocab_size=300, context_length=600, d_model=128, num_layers=2, num_heads=4, d_ff=384,
-                          rope_theta=10_000.0, device="cuda", **kw)
-        with torch.no_grad():
-            m.lm_head.weight.mul_(8)
+        m = peaked_cuda_lm(num_layers=2, context_length=600, **kw)
         with _CONFIG.patch(_STRICT), torch.inference_mode():
             compiled = DecodeEngine(m, 8, 192, len_bucket=64, compile=True)
             eager = DecodeEngine(m, 8, 192, len_bucket=64, cuda_graphs=False)

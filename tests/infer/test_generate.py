@@ -3,6 +3,7 @@ import torch
 
 from scratchlm.infer.generate import generate, left_pad
 from scratchlm.model.transformer import TransformerLM
+from tests.infer.cuda_models import peaked_cuda_lm
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
@@ -109,11 +110,7 @@ def test_bad_inputs_and_mode_restored(model):
 
 @pytest.mark.gpu
 def test_cached_equals_uncached_on_gpu():
-    torch.manual_seed(0)
-    m = TransformerLM(vocab_size=300, context_length=128, d_model=128, num_layers=3, num_heads=4, d_ff=384,
-                      rope_theta=10_000.0, device="cuda")
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8)
+    m = peaked_cuda_lm(num_layers=3, context_length=128)
     prompts = [list(range(1, 40)), [5], list(range(100, 117))]
     cached = generate(m, prompts, 30, temperature=0)
     assert cached == generate(m, prompts, 30, temperature=0, use_kv_cache=False)
