@@ -87,3 +87,22 @@ def test_read_sidecar_errors(tmp_path):
     with pytest.raises(UserError, match="dtype"):
         token_file.read_sidecar(tmp_path / "t.bin")
     assert token_file.read_sidecar(tmp_path / "none.bin") is None
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_size", "abc", "vocab_size must be an integer >= 1, got 'abc'"),
+    ("vocab_size", -1, "vocab_size must be an integer >= 1, got -1"),
+    ("vocab_size", 1.5, "vocab_size must be an integer"),
+    ("vocab_size", True, "vocab_size must be an integer"),
+    ("num_tokens", "x", "num_tokens must be an integer >= 0, got 'x'"),
+    ("num_tokens", -3, "num_tokens must be an integer >= 0"),
+    ("tokenizer_hash", 5, "tokenizer_hash must be a string, got 5"),
+    ("dtype", ["uint16"], "names dtype"),
+])
+def test_a_sidecar_field_of_the_wrong_type_is_named(tmp_path, field, value, message):
+    # These failed inside the readers (int('abc'), 5[:12], a list looked up in a dict).
+    path = write(tmp_path / "t.bin", [1, 2, 3])
+    meta = json.loads(path.with_suffix(".json").read_text())
+    path.with_suffix(".json").write_text(json.dumps({**meta, field: value}))
+    with pytest.raises(UserError, match=f"t.json: {message}" if field != "dtype" else message):
+        token_file.open_checked(path, vocab_size=100, tokenizer_hash="a" * 64)

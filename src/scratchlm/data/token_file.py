@@ -60,8 +60,19 @@ def read_sidecar(bin_path: str | os.PathLike) -> dict[str, Any] | None:
     if not isinstance(meta, dict):
         raise UserError(f"sidecar {sidecar} is not a JSON object; encode the text again with `scratchlm encode`")
     name = meta.get("dtype", "uint16")
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise UserError(f"sidecar {sidecar} names dtype {name!r}; expected one of {sorted(DTYPES)}")
+    # The fields the readers compute with: a hand-edited value of the wrong type would fail deep in
+    # them (int('abc'), a hash sliced as a string) instead of naming the sidecar.
+    for key, least in (("vocab_size", 1), ("num_tokens", 0)):
+        value = meta.get(key)
+        if value is not None and (type(value) is not int or value < least):
+            raise UserError(f"sidecar {sidecar}: {key} must be an integer >= {least}, got {value!r}; "
+                            "encode the text again with `scratchlm encode`")
+    hash_ = meta.get("tokenizer_hash")
+    if hash_ is not None and not isinstance(hash_, str):
+        raise UserError(f"sidecar {sidecar}: tokenizer_hash must be a string, got {hash_!r}; "
+                        "encode the text again with `scratchlm encode`")
     return meta
 
 
