@@ -182,3 +182,21 @@ def test_eval_math_out_may_not_be_its_dataset(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "would overwrite the --dataset file" in err and "\n" not in err
     assert data.read_bytes() == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "inf"], "--temperature must be a number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--out", "{file}/results.jsonl"], "is a file, not a directory"),
+    (["--out", "{file}/deeper/results.jsonl"], "is a file, not a directory"),
+])
+def test_eval_math_refuses_bad_options_before_loading_anything(tmp_path, capsys, args, message):
+    # An infinite temperature sampled uniformly at random; an --out under a file failed with a
+    # FileExistsError of mkdir.
+    file = tmp_path / "notes.txt"
+    file.write_text("keep\n")
+    args = [a.format(file=file) for a in args]
+    assert main(["eval-math", str(tmp_path / "no-run"), "--dataset", "arith", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert file.read_text() == "keep\n"

@@ -257,8 +257,8 @@ def eval_math_command(argv: list[str]) -> int:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        raise UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
     if args.out:
         # Checked now, not after the whole evaluation has run.
         out = Path(args.out)
@@ -266,6 +266,9 @@ def eval_math_command(argv: list[str]) -> int:
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
         if out.resolve() == Path(args.dataset).resolve():
             raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise UserError(f"--out {out}: {blocker} is a file, not a directory; give another file name")
         out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples
