@@ -244,3 +244,31 @@ def test_a_file_torch_did_not_write_is_not_a_checkpoint_rather_than_damaged(tmp_
     for name in ("notes.txt", "empty.pt"):
         with pytest.raises(UserError, match="is not a model checkpoint \\(not a file torch.save wrote\\)"):
             ckpt.load_trained_model(tmp_path / name)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: text.replace("d_model = 32", "d_model = 16"),
+     r"do not fit the model its config describes: \S+ has shape"),
+    (lambda text: text.replace("num_layers = 2", "num_layers = 3"), r"do not fit .* are missing, e\.g\. layers\.2\."),
+    (lambda text: text.replace("num_layers = 2", "num_layers = 1"), r"do not fit .* not in the config's model"),
+    (lambda text: "[[[\n", r"config\.toml is not a valid TOML config"),
+    (lambda text: "model = 3\n", r"\[model\] must be a table"),
+])
+def test_a_config_that_does_not_describe_the_weights_is_a_user_error(tmp_path, edit, message):
+    # Without checksums (an older checkpoint, or one assembled by hand) nothing else catches a
+    # config edited or copied from another run: torch's RuntimeError or a TOMLDecodeError came out.
+    model, opt = _trained()
+    step_dir = _save_step(tmp_path, 5, model, opt)
+    (step_dir / ckpt.CHECKSUMS).unlink()
+    config = step_dir / "config.toml"
+    config.write_text(edit(config.read_text()))
+    with pytest.raises(UserError, match=message):
+        ckpt.load_trained_model(step_dir)
+
+
+def test_single_file_weights_of_another_model_are_a_user_error(tmp_path):
+    model, opt = _trained()
+    ckpt.save_checkpoint(model, opt, 2, tmp_path / "c.pt",
+                         model_config=ModelConfig(**{**TINY.__dict__, "d_ff": 64}))
+    with pytest.raises(UserError, match=r"c\.pt do not fit the model its config describes"):
+        ckpt.load_trained_model(tmp_path / "c.pt")

@@ -568,8 +568,38 @@ def read_model_config(config_toml: Path):
     from scratchlm.config import from_dict
     from scratchlm.model.config import ModelConfig
 
-    data = tomllib.loads(config_toml.read_text(encoding="utf-8"))
-    return from_dict(ModelConfig, data.get("model", {}), where="model")
+    try:
+        data = tomllib.loads(config_toml.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_toml} is not a valid TOML config ({_one_line(exc)}), so the model "
+                        "cannot be rebuilt from it") from None
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise UserError(f"{config_toml}: [model] must be a table, got {type(model).__name__}")
+    return from_dict(ModelConfig, model, where="model")
+
+
+def _check_weights_fit(model: torch.nn.Module, state: Any, where: Path) -> None:
+    """Refuse weights that are not those of the model the checkpoint's config describes (a config
+    edited or copied from another run), naming the first difference rather than torch's list of all."""
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{where} is not a model checkpoint (its weights are not a dict of tensors)")
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if not (missing or unexpected or wrong):
+        return
+    if wrong:
+        k = wrong[0]
+        first = (f"{k} has shape {tuple(state[k].shape)}, the config's model needs {tuple(expected[k].shape)}"
+                 + (f" ({len(wrong) - 1} more differ)" if len(wrong) > 1 else ""))
+    elif missing:
+        first = f"{len(missing)} tensor(s) the config's model needs are missing, e.g. {missing[0]}"
+    else:
+        first = f"{len(unexpected)} tensor(s) are not in the config's model, e.g. {unexpected[0]}"
+    raise UserError(f"the weights of {where} do not fit the model its config describes: {first}; "
+                    "the config or the weights come from another run")
 
 
 def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -609,6 +639,7 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         if (where.parent / "tokenizer").is_dir():
             tokenizer_dir = where.parent / "tokenizer"
     model = build_model(cfg, device=device)
+    _check_weights_fit(model, state, where)
     model.load_state_dict(state)
     model.eval()
     tokenizer = None
