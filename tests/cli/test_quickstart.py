@@ -74,6 +74,23 @@ def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
     assert (out / "metrics.jsonl").read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("override, message", [
+    ("--optim.lrr=1", "unknown config key 'optim.lrr'"),
+    ("--model.d_model=0", "model.d_model must be positive"),
+    ("--optim.lr=abc", "optim.lr must be a number"),
+])
+def test_a_bad_override_keeps_the_previous_run_and_trains_no_tokenizer(tmp_path, monkeypatch, override, message):
+    # The overrides were read only after the corpus, the tokenizer and the token files: the
+    # previous quickstart in --out was deleted by then.
+    out = tmp_path / "qs"
+    qs.prepare_out_dir(out)
+    (out / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(qs, "build_corpus", lambda *a: pytest.fail("the corpus was built before the overrides were read"))
+    with pytest.raises(UserError, match=message):
+        qs.quickstart_command(["--out", str(out), "--steps", "1", override])
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+
+
 def test_a_corpus_write_that_fails_leaves_no_cut_file(tmp_path, cut_writes):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} of a small corpus\n" for i in range(2000)), encoding="utf-8")

@@ -109,10 +109,14 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     out = Path(args.out)
-    # The corpus first: a bad --data must not cost the previous run in --out.
+    data = out / "data"
+    base = [f"--data.train_path={data / 'train.bin'}", f"--data.val_path={data / 'valid.bin'}",
+            f"--data.tokenizer_dir={out / 'tokenizer'}", f"--trainer.out_dir={out}"]
+    # The overrides and the corpus first: a typo in either must not cost the previous run in --out,
+    # nor come out only after the tokenizer has trained.
+    load_config(TrainConfig, "quickstart", base + [f"--model.vocab_size={args.vocab_size}"] + overrides)
     what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
     prepare_out_dir(out)
-    data = out / "data"
     data.mkdir()
     write_text_atomic(data / "train.txt", train_text)
     write_text_atomic(data / "valid.txt", valid_text)
@@ -134,9 +138,7 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
           f"validation tokens ({len(train_text.encode()) / stats['train']['num_tokens']:.2f} bytes/token) "
           f"in {timings['encode_s']:.1f} s")
 
-    base = [f"--data.train_path={data / 'train.bin'}", f"--data.val_path={data / 'valid.bin'}",
-            f"--data.tokenizer_dir={out / 'tokenizer'}", f"--trainer.out_dir={out}",
-            f"--model.vocab_size={tokenizer.vocab_size}"]
+    base.append(f"--model.vocab_size={tokenizer.vocab_size}")
     cfg = load_config(TrainConfig, "quickstart", base + overrides)
     if args.steps is not None:
         steps = args.steps
