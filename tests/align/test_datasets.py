@@ -66,6 +66,7 @@ def test_arith_dataset_name():
     ({"problem": "p", "solution": 7}, r"row 1: solution must be a string, got int"),
     ({"problem": "p", "solution": "s", "answer": ["2"]}, r"row 1: answer must be a string or a number"),
     ({"question": "1+1?", "answer": "2"}, r"row 1: a GSM8K answer must end with '#### <number>'"),
+    ({"question": "1+1?", "answer": "1+1=2\n#### "}, r"row 1: .* not an empty '####'"),
     (5, r"row 1 has neither question/answer"),
 ])
 def test_jsonl_rows_of_the_wrong_shape_name_the_file_and_row(tmp_path, row, message):

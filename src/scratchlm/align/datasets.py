@@ -93,6 +93,9 @@ def gsm8k_example(row: dict[str, Any]) -> MathExample:
     if "####" not in solution:
         raise UserError("a GSM8K answer must end with '#### <number>'")
     reasoning, final = solution.rsplit("####", 1)
+    if not final.strip():
+        # An empty gold answer would grade every response as wrong, silently.
+        raise UserError("a GSM8K answer must end with '#### <number>', not an empty '####'")
     reasoning = _CALCULATOR_RE.sub("", reasoning).strip()
     return MathExample(row["question"], final.strip().replace(",", ""), reasoning)
 
