@@ -98,5 +98,47 @@ def test_a_corpus_write_that_fails_leaves_no_cut_file(tmp_path, cut_writes):
     cut_writes(after=1)  # the marker is written, the training text is cut short by a full disk
     with pytest.raises(OSError, match="No space left"):
         qs.quickstart_command(["--out", str(out), "--data", str(corpus), "--steps", "1", *TINY])
-    assert (out / qs.MARKER).read_text() == "{}\n"  # still a quickstart directory: a rerun replaces it
-    assert sorted(p.name for p in (out / "data").iterdir()) == []  # no cut train.txt, no temporary file
+    assert not out.exists()  # what the run had built is gone: no cut train.txt, no temporary file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+def _previous_run(out):
+    qs.prepare_out_dir(out)
+    (out / "metrics.jsonl").write_text("{}\n")
+
+
+def test_a_corpus_too_small_for_one_window_keeps_the_previous_run(tmp_path):
+    # The window check came from the trainer, after the previous run in --out was deleted.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a few words\n" * 40, encoding="utf-8")
+    out = tmp_path / "qs"
+    _previous_run(out)
+    with pytest.raises(UserError, match="encodes to .* tokens, too few for one window of context_length 32"):
+        qs.quickstart_command(["--out", str(out), "--data", str(corpus), "--steps", "1", "--vocab-size", "300", *TINY])
+    assert (out / "metrics.jsonl").read_text() == "{}\n" and not (out / "tokenizer").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "qs"]  # nothing set aside is left
+
+
+def test_an_interrupt_while_building_the_data_keeps_the_previous_run(tmp_path, monkeypatch):
+    out = tmp_path / "qs"
+    _previous_run(out)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("scratchlm.tokenizer.train.train_bpe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        qs.quickstart_command(["--out", str(out), "--steps", "1", "--corpus-mb", "0.05", "--vocab-size", "300", *TINY])
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qs"]
+
+
+def test_a_run_killed_while_the_previous_one_was_set_aside_is_tidied_by_the_next(tmp_path):
+    out = tmp_path / "qs"
+    _previous_run(out)
+    stale = out.with_name(".qs.previous")
+    stale.mkdir()  # what a killed run leaves beside --out
+    previous = qs.prepare_out_dir(out)
+    assert previous == stale and (stale / "metrics.jsonl").is_file()  # the latest run, not the stale one
+    qs.drop_previous(previous)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qs"]

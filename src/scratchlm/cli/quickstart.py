@@ -34,14 +34,37 @@ DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if s
 MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
 
 
-def prepare_out_dir(out: Path) -> None:
-    """Create `out`; a previous quickstart there is replaced, anything else is refused."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not (out / MARKER).is_file():
-            raise UserError(f"{out} exists and is not a quickstart run; choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+def check_out_dir(out: Path) -> None:
+    """Refuse an `out` that holds something other than an earlier quickstart run."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / MARKER).is_file():
+        raise UserError(f"{out} exists and is not a quickstart run; choose another --out")
+
+
+def prepare_out_dir(out: Path) -> Path | None:
+    """Create `out` afresh; a previous quickstart there is moved aside, to the returned path
+    (None when there was none), for `keep_previous` or `drop_previous`; anything else is refused."""
+    check_out_dir(out)
+    previous = None
+    if out.exists():
+        previous = out.with_name(f".{out.name}.previous")
+        if previous.exists():  # left by a run killed mid-build: the older one of the two
+            shutil.rmtree(previous)
+        out.rename(previous)
+    out.mkdir(parents=True)
     write_text_atomic(out / MARKER, "{}\n")
+    return previous
+
+
+def keep_previous(out: Path, previous: Path | None) -> None:
+    """The new run failed before training: remove what it built and put the previous run back."""
+    shutil.rmtree(out, ignore_errors=True)
+    if previous is not None:
+        previous.rename(out)
+
+
+def drop_previous(previous: Path | None) -> None:
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def measure_step_seconds(cfg: Any, steps: int = 3) -> float:
@@ -100,9 +123,6 @@ def quickstart_command(argv: list[str]) -> int:
 
 
 def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
-    from scratchlm.tokenizer.encode_corpus import encode_corpus
-    from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.tokenizer.train import train_bpe
     from scratchlm.train.config import TrainConfig
     from scratchlm.train.trainer import Trainer
 
@@ -114,29 +134,24 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
             f"--data.tokenizer_dir={out / 'tokenizer'}", f"--trainer.out_dir={out}"]
     # The overrides and the corpus first: a typo in either must not cost the previous run in --out,
     # nor come out only after the tokenizer has trained.
-    load_config(TrainConfig, "quickstart", base + [f"--model.vocab_size={args.vocab_size}"] + overrides)
+    first = load_config(TrainConfig, "quickstart", base + [f"--model.vocab_size={args.vocab_size}"] + overrides)
+    check_out_dir(out)
     what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
-    prepare_out_dir(out)
-    data.mkdir()
-    write_text_atomic(data / "train.txt", train_text)
-    write_text_atomic(data / "valid.txt", valid_text)
-    print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "
-          f"{len(valid_text.encode()) / 1e6:.2f} MB validation")
-    timings["corpus_s"] = time.perf_counter() - t0
-
-    vocab, merges = train_bpe(data / "train.txt", args.vocab_size, [EOT])
-    tokenizer = Tokenizer(vocab, merges, [EOT])
-    tokenizer.save(out / "tokenizer")
-    timings["tokenizer_s"] = time.perf_counter() - t0 - sum(timings.values())
-    print(f"[2/4] tokenizer: {tokenizer.vocab_size} tokens (byte-level BPE) in {timings['tokenizer_s']:.1f} s")
-
-    stats = {}
-    for split in ("train", "valid"):
-        stats[split] = encode_corpus(data / f"{split}.txt", tokenizer, data / f"{split}.bin", progress=False)
-    timings["encode_s"] = time.perf_counter() - t0 - sum(timings.values())
-    print(f"[3/4] encoded: {stats['train']['num_tokens']:,} train and {stats['valid']['num_tokens']:,} "
-          f"validation tokens ({len(train_text.encode()) / stats['train']['num_tokens']:.2f} bytes/token) "
-          f"in {timings['encode_s']:.1f} s")
+    # The previous run in --out goes only once the new data is built and fits a window: a corpus
+    # too small, a full disk or an interrupt before training puts it back.
+    previous = prepare_out_dir(out)
+    try:
+        tokenizer, stats = build_data(out, what, train_text, valid_text, args.vocab_size, timings, t0)
+        need = first.model.context_length + 1
+        for split in ("train", "valid"):
+            if stats[split]["num_tokens"] < need:
+                raise UserError(f"the {split} text encodes to {stats[split]['num_tokens']} tokens, too few for one "
+                                f"window of context_length {first.model.context_length} (needs {need}): give "
+                                f"more text (--data, --corpus-mb) or a shorter --model.context_length")
+    except BaseException:
+        keep_previous(out, previous)
+        raise
+    drop_previous(previous)
 
     base.append(f"--model.vocab_size={tokenizer.vocab_size}")
     cfg = load_config(TrainConfig, "quickstart", base + overrides)
@@ -179,3 +194,34 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     print(f"run directory {out}: metrics.jsonl, loss.png, lr.png, samples.txt, checkpoints/")
     print(f"next: scratchlm generate {out} --prompt 'def '   |   scratchlm eval {out} --data {data / 'valid.bin'}")
     return result
+
+
+def build_data(out: Path, what: str, train_text: str, valid_text: str, vocab_size: int,
+               timings: dict[str, float], t0: float) -> tuple[Any, dict[str, dict]]:
+    """The corpus, the tokenizer and the token files of a quickstart run in `out`."""
+    from scratchlm.tokenizer.encode_corpus import encode_corpus
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train import train_bpe
+
+    data = out / "data"
+    data.mkdir()
+    write_text_atomic(data / "train.txt", train_text)
+    write_text_atomic(data / "valid.txt", valid_text)
+    print(f"[1/4] corpus: {what}: {len(train_text.encode()) / 1e6:.1f} MB train, "
+          f"{len(valid_text.encode()) / 1e6:.2f} MB validation")
+    timings["corpus_s"] = time.perf_counter() - t0
+
+    vocab, merges = train_bpe(data / "train.txt", vocab_size, [EOT])
+    tokenizer = Tokenizer(vocab, merges, [EOT])
+    tokenizer.save(out / "tokenizer")
+    timings["tokenizer_s"] = time.perf_counter() - t0 - sum(timings.values())
+    print(f"[2/4] tokenizer: {tokenizer.vocab_size} tokens (byte-level BPE) in {timings['tokenizer_s']:.1f} s")
+
+    stats = {}
+    for split in ("train", "valid"):
+        stats[split] = encode_corpus(data / f"{split}.txt", tokenizer, data / f"{split}.bin", progress=False)
+    timings["encode_s"] = time.perf_counter() - t0 - sum(timings.values())
+    print(f"[3/4] encoded: {stats['train']['num_tokens']:,} train and {stats['valid']['num_tokens']:,} "
+          f"validation tokens ({len(train_text.encode()) / stats['train']['num_tokens']:.2f} bytes/token) "
+          f"in {timings['encode_s']:.1f} s")
+    return tokenizer, stats
