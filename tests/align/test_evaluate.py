@@ -112,7 +112,7 @@ def test_eval_math_command_checks_its_options_before_evaluating(tiny_policy, tmp
     base = ["eval-math", str(tmp_path / "run"), "--dataset", "arith:1", "--limit", "2", "--device", "cpu"]
     for extra, message in [(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
                            (["--batch-size", "0"], "--batch-size must be positive"),
-                           (["--temperature", "-1"], "--temperature must be >= 0"),
+                           (["--temperature", "-1"], "--temperature must be a number >= 0"),
                            (["--out", str(tmp_path)], "is a directory; give a file name")]:
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err.strip()
