@@ -139,3 +139,24 @@ def test_config_file_that_is_not_utf8_text(tmp_path):
     binary.write_bytes(b"\x9d\x00\x01\x02[model]\n")
     with pytest.raises(ConfigError, match=r"train.bin: not a TOML config \(byte 0x9d at offset 0"):
         load_config(TrainConfig, binary)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.rope_theta=inf", "model.rope_theta must be a positive finite number, got inf"),
+    ("--model.rope_theta=0", "model.rope_theta must be a positive finite number, got 0.0"),
+    ("--model.logit_softcap=inf", "model.logit_softcap must be >= 0"),
+    ("--optim.lr=inf", "optim.lr must be a finite number, got inf"),
+    ("--optim.muon_lr=inf", "optim.muon_lr must be a finite number"),
+    ("--optim.weight_decay=inf", "optim.weight_decay must be a finite number"),
+])
+def test_infinite_rates_and_bases_are_refused(tmp_path, override, message):
+    # inf passes the `>= 0` checks; an infinite rate or RoPE base trains garbage without a word
+    from scratchlm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, "tiny-cpu", [override])
+    preset = tmp_path / "p.toml"  # the same from a config file
+    section, key = override[2:].split("=")[0].split(".")
+    preset.write_text(f"[{section}]\n{key} = {override.split('=')[1]}\n")
+    with pytest.raises(ConfigError, match=message.split(", got")[0]):
+        load_config(TrainConfig, preset)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scratchlm.model.attention_backends import attention_backend_names
@@ -69,6 +70,8 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"model.rope_theta must be a positive finite number, got {self.rope_theta}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
@@ -84,7 +87,7 @@ class ModelConfig:
             raise ValueError(f"model.norm_position must be 'pre' or 'post', got {self.norm_position!r}")
         if self.ffn not in ("swiglu", "silu", "relu2", "moe"):
             raise ValueError(f"model.ffn must be 'swiglu', 'silu', 'relu2' or 'moe', got {self.ffn!r}")
-        if not self.logit_softcap >= 0:
+        if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
             raise ValueError(f"model.logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.ffn == "moe":
             if not 1 <= self.moe_top_k <= self.moe_num_experts:

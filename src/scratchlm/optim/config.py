@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 OPTIMIZER_NAMES = ("adamw", "muon")
@@ -34,6 +35,10 @@ class OptimConfig:
     fused: bool = True  # one Triton kernel per group on CUDA (float32 params); falls back to foreach
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "eps"):  # an infinite rate trains to NaN
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"optim.{name} must be a finite number, got {value}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optim.lr and optim.min_lr must be >= 0, got {self.lr} and {self.min_lr}")
         if self.name not in OPTIMIZER_NAMES:
