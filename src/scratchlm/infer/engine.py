@@ -264,8 +264,6 @@ class DecodeEngine:
                 chunk = []
             chunk.append(i)
         chunks.append(chunk)
-        # compiled once the cache's buffers exist (the first prefill allocates them, in its keys' dtype)
-        forward = self._prefill_forward if self.cache.k[0] is not None else self._prefill_logits
         parts = []
         for chunk in chunks:
             T = max(len(prompts[i]) for i in chunk)
@@ -274,22 +272,26 @@ class DecodeEngine:
                                dtype=torch.long, device=self.device)
             last = torch.tensor([len(prompts[i]) - 1 for i in chunk], device=self.device)
             rows = torch.tensor([slots[i] for i in chunk], device=self.device)
-            parts.append(self._prefill_call(forward, ids, rows, last))
-            forward = self._prefill_forward  # (eager from here if the compiled one gave up)
+            parts.append(self._prefill_call(ids, rows, last))
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, V), the prompts in `order`
         if order == list(range(n)):
             return logits
         inverse = sorted(range(n), key=order.__getitem__)  # prompt i's row of `logits`
         return logits[torch.tensor(inverse, device=self.device)]
 
-    def _prefill_call(self, forward, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
-        """forward(ids, rows, last); a compiled prefill whose first call fails (a compiler that
-        cannot take the graph) is dropped, with a warning, for the eager one: prefill is a small
-        share of decoding, not worth failing a run for. Once it has worked, its errors are raised."""
-        if forward == self._prefill_logits or self._prefill_compiled_ran:
-            return forward(ids, rows, last)
+    def _prefill_call(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
+        """The prefill forward of one chunk: compiled (where it is) once the cache's buffers exist,
+        since the first prefill allocates them, in its keys' dtype. A compiled prefill whose first
+        call fails (a compiler that cannot take the graph) is dropped, with a warning, for the
+        eager one: prefill is a small share of decoding, not worth failing a run for. Once it has
+        worked, its errors are raised."""
+        compiled = self._prefill_forward
+        if self.cache.k[0] is None or compiled == self._prefill_logits:
+            return self._prefill_logits(ids, rows, last)
+        if self._prefill_compiled_ran:
+            return compiled(ids, rows, last)
         try:
-            out = forward(ids, rows, last)
+            out = compiled(ids, rows, last)
         except Exception as exc:  # (rerunning eagerly rewrites the same cache slots)
             why = " ".join(str(exc).split())[:300]  # one line
             warnings.warn(f"compiled prefill failed ({type(exc).__name__}: {why}); prefilling eagerly",

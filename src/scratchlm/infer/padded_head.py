@@ -31,6 +31,11 @@ from scratchlm.model.layers import Linear, SoftcappedLinear, softcap
 HEAD_ROW_MULTIPLE = 64
 
 
+def _padded_rows(vocab: int) -> int:
+    """`vocab` rounded up to a multiple of HEAD_ROW_MULTIPLE: the rows of the padded copy."""
+    return -(-vocab // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+
+
 def _head_spec(model: nn.Module) -> tuple[Tensor, float | None] | None:
     """(weight, cap or None) of a head the padded copy reproduces, or None.
 
@@ -73,8 +78,7 @@ class PaddedHead:
         if spec is None:
             return 0
         weight = spec[0]
-        rows = -(-weight.shape[0] // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
-        return rows * weight.shape[1] * weight.element_size()
+        return _padded_rows(weight.shape[0]) * weight.shape[1] * weight.element_size()
 
     def fits(self, device: torch.device, share: float = 0.25, reserved: int = 0) -> bool:
         """Whether the copy, with `reserved` bytes of other copies, takes at most `share` of the
@@ -92,7 +96,7 @@ class PaddedHead:
             return dropped
         weight, self.cap = spec
         V, d = weight.shape
-        rows = -(-V // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+        rows = _padded_rows(V)
         dt = dtype if dtype is not None else weight.dtype
         w, new = self.weight, False
         if w is None or w.dtype != dt or w.shape != (rows, d) or w.device != weight.device:
