@@ -151,6 +151,11 @@ def write_vocab_json(vocab: dict[int, bytes], path: str | os.PathLike,
                      special_ids: Mapping[str, int] | None = None) -> None:
     """Write id -> bytes as GPT-2's vocab.json (special tokens as literal text; see ``_vocab_texts``)."""
     texts, _ = _vocab_texts(vocab, special_ids)
+    _write_vocab_texts(texts, path)
+
+
+def _write_vocab_texts(texts: dict[str, int], path: str | os.PathLike) -> None:
+    """vocab.json from `_vocab_texts`'s ``{text: id}``."""
     write_text_atomic(path, json.dumps(texts, ensure_ascii=False, indent=0) + "\n")
 
 
@@ -262,7 +267,7 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
         raise UserError(f"{out}: exists and is not a directory")
     texts, left_out = _vocab_texts(tokenizer.vocab, tokenizer.special_token_ids)  # (may refuse: nothing written yet)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / VOCAB_FILE, json.dumps(texts, ensure_ascii=False, indent=0) + "\n")
+    _write_vocab_texts(texts, out / VOCAB_FILE)
     write_merges_txt(tokenizer.merges, out / MERGES_FILE)
     specials = {"special_tokens": [{"token": t, "id": tokenizer.special_token_ids[t]}
                                    for t in tokenizer.special_tokens]}
