@@ -80,6 +80,7 @@ def test_compiled_cuda_engines_do_not_hit_the_recompile_limit():
             before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             out = compiled.run(prompts, budgets, temperature=0)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-            assert 1 <= graphs <= 2, (slots, max_len, graphs)
+            # decode: b == 1 and b > 1; prefill: n == 1 and n > 1 (a fallback would have raised)
+            assert 2 <= graphs <= 4, (slots, max_len, graphs)
             eager = DecodeEngine(m, slots, max_len, len_bucket=64, cuda_graphs=False)
             assert out == eager.run(prompts, budgets, temperature=0)

@@ -128,7 +128,7 @@ def test_compiled_prefill_equals_eager_with_few_compiles(name, request):
                 for ours, theirs in zip(compiled.cache.k + compiled.cache.v, eager.cache.k + eager.cache.v):
                     torch.testing.assert_close(ours[s, :, :len(p)], theirs[s, :, :len(p)], rtol=1e-5, atol=1e-5)
         assert getattr(_CONFIG, _LIMIT) == 1  # raised around the engine's calls only
-    # the first prefill allocates the cache, eagerly; then n == 1 and n > 1, and for the window
+    # n == 1 and n > 1, and for the window
     # model each for widths within the window (16) and beyond it (32, 48)
     assert 2 <= counter.frame_count <= (2 if name == "model" else 4)
 
@@ -209,10 +209,10 @@ def test_a_compiled_prefill_that_fails_at_first_falls_back_to_eager_with_a_warni
     engine = DecodeEngine(model, 3, 32)
     engine.prefill_bucket = PREFILL_BUCKET
     engine._prefill_forward = engine._compiled_prefill(backend=_failing_backend)
-    engine.run([[1, 2]], [1], temperature=0)  # the first prefill is eager: it allocates the cache
     with pytest.warns(RuntimeWarning, match="compiled prefill failed .*prefilling eagerly"):
         assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
     assert engine._prefill_forward == engine._prefill_logits  # dropped for good
+    assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
 
 
 def test_a_compiled_prefill_that_worked_raises_its_later_errors(model):
@@ -226,7 +226,22 @@ def test_a_compiled_prefill_that_worked_raises_its_later_errors(model):
         return engine._prefill_logits(ids, rows, last)
 
     engine._prefill_forward = flaky
-    engine.run([[1, 2]], [1], temperature=0)  # eager: allocates the cache
-    engine.run([[1, 2, 3]], [1], temperature=0)  # the stand-in works once
+    engine.run([[1, 2, 3]], [1], temperature=0)  # eager (allocates the cache), then the stand-in once
+    assert calls == [(1, 3)]
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.run([[4, 5, 6]], [1], temperature=0)
+
+
+def test_the_first_run_compiles_the_prefill(model):
+    # The compilation happens in the engine's first run (its warm-up), not in the second one:
+    # the first prefill allocates the cache eagerly and then runs compiled on the same chunk.
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    with torch.inference_mode():
+        expected = DecodeEngine(model, 3, 32).run(prompts, [6, 6, 6], temperature=0)
+        counter = CompileCounter()
+        engine = _compiled(DecodeEngine(model, 3, 32), counter)
+        assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
+        compiled_in_first = counter.frame_count
+        assert compiled_in_first >= 1 and engine._prefill_compiled_ran
+        assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
+        assert counter.frame_count == compiled_in_first

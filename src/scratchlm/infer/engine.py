@@ -280,14 +280,18 @@ class DecodeEngine:
         return logits[torch.tensor(inverse, device=self.device)]
 
     def _prefill_call(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
-        """The prefill forward of one chunk: compiled (where it is) once the cache's buffers exist,
-        since the first prefill allocates them, in its keys' dtype. A compiled prefill whose first
-        call fails (a compiler that cannot take the graph) is dropped, with a warning, for the
-        eager one: prefill is a small share of decoding, not worth failing a run for. Once it has
-        worked, its errors are raised."""
+        """The prefill forward of one chunk: compiled where it is. The first prefill allocates the
+        cache's buffers (in its keys' dtype) eagerly, then runs compiled on the same chunk too,
+        rewriting the same slots: the compilation belongs to the engine's first run, with the
+        decode steps', not to a later one that a caller may be timing. A compiled prefill whose
+        first call fails (a compiler that cannot take the graph) is dropped, with a warning, for
+        the eager one: prefill is a small share of decoding, not worth failing a run for. Once
+        it has worked, its errors are raised."""
         compiled = self._prefill_forward
-        if self.cache.k[0] is None or compiled == self._prefill_logits:
+        if compiled == self._prefill_logits:
             return self._prefill_logits(ids, rows, last)
+        if self.cache.k[0] is None:
+            self._prefill_logits(ids, rows, last)
         if self._prefill_compiled_ran:
             return compiled(ids, rows, last)
         try:
