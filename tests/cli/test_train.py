@@ -87,3 +87,50 @@ def test_overwrite_refuses_to_delete_the_tokenizer_or_data_it_reads(tmp_path):
         train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--overwrite",
                        f"--data.tokenizer_dir={run / 'tokenizer'}"])
     assert (run / "tokenizer" / "vocab.json").is_file()
+
+
+def test_a_run_that_fails_to_start_leaves_no_run_directory(cfg, tmp_path):
+    run = tmp_path / "runs" / "new"
+    with pytest.raises(UserError, match="data.tokenizer_dir .* is not a directory"):
+        train_command([f"--trainer.out_dir={run}", f"--data.train_path={cfg.data.train_path}",
+                       f"--data.tokenizer_dir={tmp_path / 'typo'}", "--trainer.device=cpu"])
+    assert not run.exists()
+    # a directory the user made beforehand stays
+    run.mkdir(parents=True)
+    with pytest.raises(UserError, match="is not a directory"):
+        train_command([f"--trainer.out_dir={run}", f"--data.train_path={cfg.data.train_path}",
+                       f"--data.tokenizer_dir={tmp_path / 'typo'}", "--trainer.device=cpu"])
+    assert run.is_dir() and not any(run.iterdir())
+
+
+def test_overwrite_keeps_the_previous_run_until_the_new_one_starts(cfg, tmp_path):
+    from scratchlm.config import save_config
+
+    save_config(cfg, tmp_path / "c.toml")
+    run = tmp_path / "run"
+    args = [str(tmp_path / "c.toml"), f"--trainer.out_dir={run}", "--trainer.max_steps=2"]
+    assert train_command(args) == 0
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    metrics = (run / "metrics.jsonl").read_text()
+    # a typo in the new run's inputs: the old run is still there, whole
+    with pytest.raises(UserError, match="is not a directory"):
+        train_command(args + ["--overwrite", f"--data.tokenizer_dir={tmp_path / 'typo'}"])
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert not any(p.name.endswith(".replaced") for p in tmp_path.iterdir())
+    # a new run that starts replaces it, and nothing is left aside
+    assert train_command(args + ["--overwrite", "--trainer.max_steps=3"]) == 0
+    assert [s for s, _ in _losses(run)] == [1, 2, 3]
+    assert not any(p.name.endswith(".replaced") for p in tmp_path.iterdir())
+
+
+def test_a_resume_that_fails_keeps_the_run(cfg, tmp_path):
+    from scratchlm.config import save_config
+
+    save_config(cfg, tmp_path / "c.toml")
+    run = tmp_path / "run"
+    args = [str(tmp_path / "c.toml"), f"--trainer.out_dir={run}", "--trainer.max_steps=2"]
+    assert train_command(args) == 0
+    with pytest.raises(UserError, match="is not a directory"):
+        train_command(args + ["--resume", f"--data.tokenizer_dir={tmp_path / 'typo'}"])
+    assert [s for s, _ in _losses(run)] == [1, 2]

@@ -91,3 +91,34 @@ def test_a_copy_killed_between_its_renames_is_cleaned_up_by_the_next(tmp_path):
     copy_tokenizer(str(src), run)
     assert _files(run / "tokenizer") == {"merges.txt": 'merges of {"new": 1}\n', "vocab.json": '{"new": 1}'}
     assert sorted(p.name for p in run.iterdir()) == ["tokenizer"]
+
+
+def test_a_replaced_run_is_set_aside_until_kept_or_put_back(tmp_path):
+    from scratchlm.train.run_dir import begin_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("old\n")
+    pending = begin_run_dir(run, resume=False, overwrite=True)
+    assert run.is_dir() and not any(run.iterdir()) and pending.created
+    (run / "config.toml").write_text("new")  # what a new run writes before it fails
+    pending.abandon()
+    assert (run / "metrics.jsonl").read_text() == "old\n" and not (run / "config.toml").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    pending = begin_run_dir(run, resume=False, overwrite=True)
+    assert pending.keep() == run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not any(run.iterdir())
+
+
+def test_a_leftover_set_aside_run_is_replaced(tmp_path):
+    # an invocation killed before its run started left the older run aside
+    from scratchlm.train.run_dir import begin_run_dir
+
+    run, aside = tmp_path / "run", tmp_path / ".run.replaced"
+    for d, text in ((run, "newer"), (aside, "older")):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text(text)
+    pending = begin_run_dir(run, resume=False, overwrite=True)
+    assert (aside / "metrics.jsonl").read_text() == "newer"
+    pending.abandon()
+    assert (run / "metrics.jsonl").read_text() == "newer" and not aside.exists()

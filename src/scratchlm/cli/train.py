@@ -38,21 +38,29 @@ def run_training(cfg: TrainConfig, *, resume: bool | int | str = False, overwrit
     `resume`: True continues from `checkpoints/latest` (or the newest intact step), a step number
     or step directory name continues from that checkpoint."""
     from scratchlm.parallel.strategy import init_strategy
-    from scratchlm.train.run_dir import prepare_run_dir
+    from scratchlm.train.run_dir import begin_run_dir
     from scratchlm.train.trainer import Trainer
 
     strategy = init_strategy(cfg.parallel, device=cfg.trainer.device)
     logging.basicConfig(level=logging.INFO if strategy.is_main else logging.WARNING, format="%(message)s")
     run_dir = Path(cfg.trainer.out_dir)
     try:
-        if strategy.is_main:
-            if overwrite:
-                _check_inputs_outside(cfg, run_dir)
-            prepare_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
-            if resume:
-                _check_same_model(cfg, run_dir)
-        strategy.barrier()
-        trainer = Trainer(cfg, run_dir, resume=resume, strategy=strategy)
+        pending = None
+        try:
+            if strategy.is_main:
+                if overwrite:
+                    _check_inputs_outside(cfg, run_dir)
+                pending = begin_run_dir(run_dir, resume=bool(resume), overwrite=overwrite)
+                if resume:
+                    _check_same_model(cfg, run_dir)
+            strategy.barrier()
+            trainer = Trainer(cfg, run_dir, resume=resume, strategy=strategy)
+        except BaseException:  # the run never started: no empty run directory, the replaced run back
+            if pending is not None:
+                pending.abandon()
+            raise
+        if pending is not None:
+            pending.keep()
         try:
             return trainer.fit()
         finally:

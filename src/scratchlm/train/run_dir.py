@@ -2,7 +2,8 @@
 
 A run directory is never silently reused: starting a run where one already exists needs
 `--resume` (continue it) or `--overwrite` (replace it), and `--overwrite` deletes only
-directories that look like runs, never an arbitrary folder given by mistake.
+directories that look like runs, never an arbitrary folder given by mistake, and only once the
+new run has started (`begin_run_dir`): a run that fails before that leaves things as they were.
 """
 
 from __future__ import annotations
@@ -29,12 +30,50 @@ def looks_like_run_dir(path: str | Path) -> bool:
 
 
 def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
-    """Create or reuse `path` as a run directory, following the rules above."""
+    """Create or reuse `path` as a run directory, following the rules above (a replaced run is
+    deleted at once)."""
+    return begin_run_dir(path, resume=resume, overwrite=overwrite).keep()
+
+
+class PendingRunDir:
+    """A run directory prepared by `begin_run_dir`, until the run is known to start.
+
+    `keep()` once the run has started (the trainer is built: config, data and tokenizer are
+    valid) deletes the run it replaces; `abandon()` after a failure before that removes the
+    directory if this invocation created it and puts the replaced run back. So a typo in a
+    path never costs the previous run (`--overwrite`), nor leaves an empty run directory."""
+
+    def __init__(self, path: Path, created: bool, replaced: Path | None) -> None:
+        self.path, self.created, self.replaced = path, created, replaced
+
+    def keep(self) -> Path:
+        if self.replaced is not None:
+            shutil.rmtree(self.replaced, ignore_errors=True)
+            self.replaced = None
+        return self.path
+
+    def abandon(self) -> None:
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+        if self.replaced is not None and not self.path.exists():
+            self.replaced.rename(self.path)
+            self.replaced = None
+
+
+def _aside(path: Path) -> Path:
+    """Where `begin_run_dir` moves a run that `--overwrite` replaces until the new one starts."""
+    return path.with_name(f".{path.name}.replaced")
+
+
+def begin_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> PendingRunDir:
+    """Create or reuse `path` as a run directory, following the rules above; a run that
+    `overwrite` replaces is moved aside (see `PendingRunDir`), not deleted yet."""
     path = Path(path)
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one")
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory {path} exists and is not a directory")
+    replaced = None
     if path.is_dir() and any(path.iterdir()):
         looks_like_run = looks_like_run_dir(path)
         if overwrite:
@@ -43,7 +82,10 @@ def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
                                 f"(it has no {' or '.join(_STARTED_RUN_MARKERS)})")
             if Path.cwd().resolve().is_relative_to(path.resolve()):
                 raise UserError(f"--overwrite refuses to delete {path}: it holds the current directory")
-            shutil.rmtree(path)
+            replaced = _aside(path)
+            if replaced.exists():  # left by an invocation killed before its run started: the older run
+                shutil.rmtree(replaced)
+            path.rename(replaced)
         elif not resume:
             raise UserError(
                 f"run directory {path} already exists; pass --resume to continue it "
@@ -51,8 +93,9 @@ def prepare_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Path:
             )
         elif not looks_like_run:
             raise UserError(f"--resume: {path} is not empty and does not look like a run directory")
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return PendingRunDir(path, created, replaced)
 
 
 def git_revision() -> str | None:
