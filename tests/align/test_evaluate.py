@@ -140,3 +140,36 @@ def test_eval_math_outputs_are_old_or_whole_new_when_a_write_fails(tiny_policy, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "results.summary.json", "run"]
     if whole == 0:
         assert out.read_text() == records
+
+
+def test_eval_math_refuses_prompts_without_room_before_evaluating(tiny_policy, tmp_path, capsys, monkeypatch):
+    # A prompt longer than the model's context failed only once the evaluation reached its batch.
+    from scratchlm.align import evaluate
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+    ctx = tiny_policy.context_length
+    data = tmp_path / "mixed.jsonl"
+    rows = [{"question": "1+1?", "answer": "#### 2"}, {"question": "3+4? " * ctx, "answer": "#### 7"},
+            {"question": "2+2?", "answer": "#### 4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["eval-math", str(tmp_path / "run"), "--dataset", str(data), "--max-new-tokens", "2", "--device", "cpu",
+            "--template", "question_only"]
+    real = evaluate.evaluate_policy
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("evaluated before the prompts were checked")
+
+    monkeypatch.setattr(evaluate, "evaluate_policy", no_evaluation)
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"1 of 3 prompts leave no room for an answer in the model's context of {ctx} tokens" in err
+    assert "--skip-long" in err and "\n" not in err
+    monkeypatch.setattr(evaluate, "evaluate_policy", real)
+    out = tmp_path / "res.jsonl"
+    assert main([*base, "--skip-long", "--out", str(out)]) == 0
+    graded = [json.loads(line)["ground_truth"] for line in out.read_text().splitlines()]
+    assert graded == ["2", "4"]
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert summary["total"] == 2 and summary["skipped_too_long"] == 1
+    assert "skipped 1 problem(s)" in capsys.readouterr().out

@@ -230,6 +230,24 @@ def dpo_command(argv: list[str]) -> int:
     return 0
 
 
+def _examples_with_room(policy: Any, examples: list, template: Any, *, skip: bool) -> tuple[list, int]:
+    """The examples whose prompt leaves the policy room for at least one new token, and how
+    many do not. Without `skip` any that do not are an error now, not once the evaluation
+    reaches their batch."""
+    ctx = policy.context_length
+    lengths = [len(policy.encode(template.format(ex.question))) for ex in examples]
+    fit = [ex for ex, n in zip(examples, lengths) if n < ctx]
+    skipped = len(examples) - len(fit)
+    if skipped and not skip:
+        raise UserError(f"{skipped} of {len(examples)} prompts leave no room for an answer in the model's context of "
+                        f"{ctx} tokens (the longest has {max(lengths)}); pass --skip-long to grade the "
+                        f"{len(fit)} that fit")
+    if not fit:
+        raise UserError(f"no prompt leaves room for an answer in the model's context of {ctx} tokens "
+                        f"(the shortest has {min(lengths)})")
+    return fit, skipped
+
+
 def eval_math_command(argv: list[str]) -> int:
     """``scratchlm eval-math MODEL --dataset gsm8k|math|math500 [--split test] [--limit N] [--out F]``."""
     parser = argparse.ArgumentParser(prog="scratchlm eval-math",
@@ -250,6 +268,9 @@ def eval_math_command(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/ and math/")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-long", action="store_true",
+                        help="grade only the problems whose prompt leaves room for an answer in the model's context "
+                             "(by default such a prompt is an error, before any evaluation)")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be positive, got {args.limit}")
@@ -285,9 +306,14 @@ def eval_math_command(argv: list[str]) -> int:
     if not examples:
         raise UserError(f"{args.dataset}/{args.split} has no examples")
     policy = load_policy(args.model, resolve_device(args.device))
+    examples, skipped = _examples_with_room(policy, examples, template, skip=args.skip_long)
     records, summary = evaluate_policy(policy, examples, template=template, reward_fn=reward_fn,
                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                        temperature=args.temperature, seed=args.seed, progress=True)
+    if args.skip_long:
+        summary["skipped_too_long"] = skipped
+        print(f"skipped {skipped} problem(s) whose prompt leaves no room in the context of "
+              f"{policy.context_length} tokens")
     print(format_summary(summary, title=f"{args.dataset}/{args.split} ({args.template})"))
     if args.out:
         write_jsonl(records, args.out)
