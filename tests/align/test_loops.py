@@ -199,3 +199,33 @@ def test_grpo_compiled_log_probs_give_the_eager_updates(tiny_policy):
     assert eager[-1]["grad_norm"] > 0
     for a, b in zip(w_compiled, w_eager):  # Adam's first steps magnify last-bit differences
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_blockwise_compiled_log_probs_equal_eager_with_one_graph_for_every_block():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from scratchlm.align.grpo import blockwise_compiled_log_probs
+    from scratchlm.align.logprobs import response_log_probs
+    from scratchlm.model.transformer import TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=40, context_length=32, d_model=16, num_layers=4, num_heads=2, d_ff=32)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = blockwise_compiled_log_probs(backend=counter)
+    for B, T in ((3, 9), (2, 17), (4, 5)):
+        ids, labels = torch.randint(0, 40, (B, T)), torch.randint(0, 40, (B, T))
+        got = compiled(model, ids, labels, return_token_entropy=True)
+        (got["log_probs"].sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        expected = response_log_probs(model, ids, labels, return_token_entropy=True)
+        expected["log_probs"].sum().backward()
+        torch.testing.assert_close(got["log_probs"], expected["log_probs"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["token_entropy"], expected["token_entropy"], rtol=1e-5, atol=1e-5)
+        for g, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+    # one graph for all four blocks and one for the head, whatever the shapes (dynamic)
+    assert counter.frame_count == 2
+    with pytest.raises(ValueError, match="exceeds context_length"):
+        compiled(model, torch.zeros(1, 33, dtype=torch.long), torch.zeros(1, 33, dtype=torch.long))

@@ -163,8 +163,9 @@ class GRPOConfig:
     eval_every: int = 10  # GRPO steps between evaluations (0 = only at the start and the end)
     max_seconds: float = 0.0  # stop after the step that passes this much wall time (0 = no limit)
     # torch.compile the policy's log-probabilities (model forward, log-softmax, entropy) for the
-    # updates, with dynamic shapes (rollout lengths vary): fewer kernels a microbatch, no
-    # (B, T, V) float32 log-softmax held for the backward; compilation costs time once
+    # updates, with dynamic shapes (rollout lengths vary), one graph shared by the blocks of a
+    # scratchlm policy: fewer kernels a microbatch, no (B, T, V) float32 log-softmax held for
+    # the backward; compilation costs time once
     compile: bool = False
 
     def __post_init__(self) -> None:
