@@ -33,6 +33,13 @@ trained by ``scratchlm train-bpe`` on the training text and encoded once into ``
     python benchmarks/speedrun.py --shape 17m --budgets 60 180 600 --sides scratchlm \\
         --reference-json docs/benchmarks/speedrun.json --recipe optim.schedule=wsd --out wsd.json
 
+``--compile-cache`` sets the state of torch.compile's on-disk caches for every timed run, both
+sides alike: ``cold`` (the default: an empty cache of its own for each run, so each pays for all
+of its compilation, as a first run on a machine does), ``warm`` (each run's cache filled first
+by the same command with a one-second budget) or ``machine`` (torch's default cache, as the
+earlier runs on the machine left it: what the first figures used, where the order of the runs
+decided which side compiled from scratch).
+
 ``--reference-json`` reads the reference side of each budget from an earlier call's JSON instead of
 running it (a sweep of recipes pays for the reference once).
 """
@@ -136,11 +143,12 @@ def reference_command(cfg, *, budget_s: float, lr: float, out: Path, data: dict[
             "--seed", str(t.seed), "--time-budget-s", f"{budget_s:g}", *(["--compile"] if cuda else [])]
 
 
-def run_logged(cmd: list[str], log_path: Path) -> None:
-    """Run `cmd` with its output in `log_path` (and the scratchlm this script imports on its path)."""
+def run_logged(cmd: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> None:
+    """Run `cmd` with its output in `log_path` (and the scratchlm this script imports on its path),
+    with `env_extra` added to its environment."""
     import scratchlm
 
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     src = str(Path(scratchlm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +159,55 @@ def run_logged(cmd: list[str], log_path: Path) -> None:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:])
         raise RuntimeError(f"{cmd[1]} {cmd[2] if len(cmd) > 2 else ''} failed ({done.returncode}); "
                            f"see {log_path}:\n{tail}")
+
+
+CACHE_MODES = ("cold", "warm", "machine")
+
+
+def cache_env(directory: Path) -> dict[str, str]:
+    """The environment that puts torch.compile's on-disk caches (Inductor's, Triton's) in `directory`."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(directory), "TRITON_CACHE_DIR": str(directory / "triton")}
+
+
+def timed_run(cmd: list[str], log_path: Path, *, mode: str, cache: Path, warm_cmd: list[str] | None = None) -> None:
+    """Run one timed training command with its compile cache in the state `mode` names:
+
+    - ``cold``: an empty cache of its own (`cache`, emptied first): the run pays for all of its
+      compilation, as a first run on a machine does; both sides alike.
+    - ``warm``: `cache` as left by `warm_cmd` (the same training for a budget of one second,
+      run first into it), so the run finds every graph it compiles already built; both sides alike.
+    - ``machine``: torch's default cache, in whatever state earlier runs on the machine left it
+      (the figures then depend on the order of the runs).
+    """
+    if mode == "machine":
+        run_logged(cmd, log_path)
+        return
+    if mode == "cold":
+        shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    if mode == "warm" and warm_cmd is not None:
+        run_logged(warm_cmd, log_path.with_name(log_path.stem + "-warmup.log"), cache_env(cache))
+    run_logged(cmd, log_path, cache_env(cache))
+
+
+def with_budget(cmd: list[str], budget_s: float, out: Path) -> list[str]:
+    """`cmd` (either side's) with another time budget and output folder: its cache warm-up."""
+    swapped = []
+    skip = False
+    for i, arg in enumerate(cmd):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--trainer.time_budget_s="):
+            swapped.append(f"--trainer.time_budget_s={budget_s:g}")
+        elif arg.startswith("--trainer.out_dir="):
+            swapped.append(f"--trainer.out_dir={out}")
+        elif arg in ("--time-budget-s", "--out") and i + 1 < len(cmd):
+            swapped += [arg, f"{budget_s:g}" if arg == "--time-budget-s" else str(out)]
+            skip = True
+        else:
+            swapped.append(arg)
+    return swapped
 
 
 # ---------------------------------------------------------------------------------- reading runs
@@ -318,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-bin", help="an encoded training file (skips building the data)")
     p.add_argument("--val-bin", help="an encoded validation file")
     p.add_argument("--tokenizer", help="the tokenizer directory of those files ('' for none)")
+    p.add_argument("--compile-cache", choices=CACHE_MODES, default="cold",
+                   help="the state of torch.compile's caches for every timed run, both sides alike: cold (an empty "
+                        "cache each: compilation counts in full), warm (each filled first by a 1-second run of the "
+                        "same command), machine (torch's default cache as earlier runs left it)")
     p.add_argument("--work", type=Path, default=Path("runs/speedrun"), help="runs, logs and the built data")
     p.add_argument("--out", type=Path, help="JSON results (default: WORK/speedrun.json)")
     return p
@@ -344,13 +405,21 @@ def main(argv=None) -> int:
         "model": {k: getattr(cfg.model, k) for k in ("vocab_size", "context_length", "d_model", "num_layers",
                                                       "num_heads", "d_ff")},
         "batch_size": cfg.trainer.batch_size, "eval_interval": eval_interval, "recipe": list(args.recipe),
-        "data": data, "ref_lr_sweep": None, "rows": []}
+        "compile_cache": args.compile_cache, "data": data, "ref_lr_sweep": None, "rows": []}
+
+    def run_timed(cmd: list[str], out: Path, log_path: Path) -> None:
+        timed_run(cmd, log_path, mode=args.compile_cache, cache=out.parent / f"{out.name}.compile-cache",
+                  warm_cmd=with_budget(cmd, 1.0, out.parent / f"{out.name}.warmup"))
 
     stored = (stored_references(args.reference_json, budgets, shape=args.shape, vocab_size=data["vocab_size"])
               if args.reference_json else None)
     if stored is not None:
         results["reference_from"] = str(args.reference_json)
         args.sides = [side for side in args.sides if side != "reference"]
+        theirs = json.loads(args.reference_json.read_text()).get("compile_cache", "machine")
+        if theirs != args.compile_cache:
+            print(f"note: the stored reference ran with --compile-cache {theirs}, this scratchlm side with "
+                  f"{args.compile_cache}: their compilation times are not alike", flush=True)
     ref_lrs = args.ref_lrs or [cfg.optim.lr]
     sweep_budget = args.ref_lr_budget or budgets[0]
     ref_runs: dict[tuple[float, float], Path] = {}
@@ -360,8 +429,8 @@ def main(argv=None) -> int:
             sweep = []
             for lr in ref_lrs:
                 run = args.work / f"ref_lr_{lr:g}_{sweep_budget:g}s"
-                run_logged(reference_command(cfg, budget_s=sweep_budget, lr=lr, out=run, data=data,
-                                             eval_interval=eval_interval, cuda=cuda), run / "log.txt")
+                run_timed(reference_command(cfg, budget_s=sweep_budget, lr=lr, out=run, data=data,
+                                            eval_interval=eval_interval, cuda=cuda), run, run / "log.txt")
                 ref_runs[(lr, sweep_budget)] = run
                 sweep.append({"lr": lr, "val_loss": reference_result(run)["val_loss"]})
                 print(f"reference lr {lr:g}: val {sweep[-1]['val_loss']:.4f} after {sweep_budget:g} s")
@@ -378,13 +447,13 @@ def main(argv=None) -> int:
             run = ref_runs.get((best_lr, budget))
             if run is None:
                 run = folder / "reference"
-                run_logged(reference_command(cfg, budget_s=budget, lr=best_lr, out=run, data=data,
-                                             eval_interval=eval_interval, cuda=cuda), run / "log.txt")
+                run_timed(reference_command(cfg, budget_s=budget, lr=best_lr, out=run, data=data,
+                                            eval_interval=eval_interval, cuda=cuda), run, run / "log.txt")
             reference = reference_result(run)
         if "scratchlm" in args.sides:
             run = folder / "scratchlm"
-            run_logged(scratchlm_train_command(shape, budget_s=budget, out=run, data=data, eval_interval=eval_interval,
-                                               recipe=args.recipe, cuda=cuda), folder / "scratchlm.log")
+            run_timed(scratchlm_train_command(shape, budget_s=budget, out=run, data=data, eval_interval=eval_interval,
+                                              recipe=args.recipe, cuda=cuda), run, folder / "scratchlm.log")
             ours = scratchlm_result(run)
             ours["trainer_val_loss"] = ours["val_loss"]
             B = cfg.trainer.batch_size

@@ -202,7 +202,7 @@ def _earlier_json(path, *, shape="tiny", vocab=VOCAB, budgets=(60.0,)):
 def test_reference_json_compares_a_scratchlm_run_with_a_stored_reference(tokens, tmp_path, monkeypatch):
     speedrun = load("speedrun")
     ran = []
-    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log: ran.append(cmd))
+    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log, env=None: ran.append(cmd))
     monkeypatch.setattr(speedrun, "scratchlm_result", lambda run: {
         "steps": 120, "tokens": 7680, "seconds": 60.0, "val_loss": 3.6, "curve": [(20.0, 3.9), (40.0, 3.6)]})
     monkeypatch.setattr(speedrun, "evaluate_run", lambda run, data, **kw: 3.75 if kw["batches"] == 0 else 3.55)
@@ -227,9 +227,44 @@ def test_reference_json_compares_a_scratchlm_run_with_a_stored_reference(tokens,
 ])
 def test_reference_json_that_does_not_fit_is_refused(tokens, tmp_path, monkeypatch, earlier_kwargs, message):
     speedrun = load("speedrun")
-    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log: pytest.fail("nothing may run"))
+    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log, env=None: pytest.fail("nothing may run"))
     earlier = _earlier_json(tmp_path / "earlier.json", **earlier_kwargs)
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
         speedrun.main(["--shape", "tiny", "--budgets", "60", "--reference-json", str(earlier),
                        "--train-bin", tokens["train_bin"], "--val-bin", tokens["val_bin"], "--tokenizer", "",
                        "--work", str(tmp_path / "work")])
+
+
+def test_cold_and_warm_compile_caches_are_alike_for_both_sides(tmp_path, monkeypatch):
+    speedrun = load("speedrun")
+    calls = []
+    monkeypatch.setattr(speedrun, "run_logged", lambda cmd, log, env=None: calls.append((cmd, log, env)))
+    cache = tmp_path / "run.compile-cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_text("from an earlier run")
+    cmd = ["py", "train", "--trainer.time_budget_s=60", f"--trainer.out_dir={tmp_path / 'run'}"]
+    speedrun.timed_run(cmd, tmp_path / "log.txt", mode="cold", cache=cache,
+                       warm_cmd=speedrun.with_budget(cmd, 1.0, tmp_path / "run.warmup"))
+    (ran, _, env), = calls  # cold: no warm-up, an emptied cache of its own
+    assert ran == cmd and not any(cache.rglob("entry")) and cache.is_dir()
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+    calls.clear()
+    speedrun.timed_run(cmd, tmp_path / "log.txt", mode="warm", cache=cache,
+                       warm_cmd=speedrun.with_budget(cmd, 1.0, tmp_path / "run.warmup"))
+    (warm, warm_log, warm_env), (ran, log, env) = calls  # warm: the same command for 1 s first, same cache
+    assert warm == ["py", "train", "--trainer.time_budget_s=1", f"--trainer.out_dir={tmp_path / 'run.warmup'}"]
+    assert warm_env == env and warm_log == tmp_path / "log-warmup.log" and ran == cmd
+    calls.clear()
+    speedrun.timed_run(cmd, tmp_path / "log.txt", mode="machine", cache=cache)
+    assert calls == [(cmd, tmp_path / "log.txt", None)]
+
+
+def test_the_reference_command_gets_its_warm_up_budget_and_folder(tokens, tmp_path):
+    speedrun = load("speedrun")
+    cfg = load_config(TrainConfig, "tiny-cpu", [f"--model.vocab_size={VOCAB}"])
+    data = {"train_bin": tokens["train_bin"], "val_bin": tokens["val_bin"], "vocab_size": VOCAB, "tokenizer": ""}
+    cmd = speedrun.reference_command(cfg, budget_s=60, lr=1e-3, out=tmp_path / "ref", data=data,
+                                     eval_interval=10, cuda=False)
+    warm = speedrun.with_budget(cmd, 1.0, tmp_path / "ref.warmup")
+    assert warm[warm.index("--time-budget-s") + 1] == "1" and warm[warm.index("--out") + 1] == str(tmp_path / "ref.warmup")
+    assert len(warm) == len(cmd) and [a for a in warm if a.startswith("--")] == [a for a in cmd if a.startswith("--")]
