@@ -249,9 +249,10 @@ def blockwise_compiled_log_probs(backend: Any = "inductor"):
     `torch.compile` (dynamic shapes) and the final norm, head and log-softmax under another.
 
     The blocks of a model share their code, so one compiled graph serves every layer: the
-    compilation costs about one block's, not the whole depth's (on the CPU, 20 s against 56 s
-    for the 6-layer policy of docs/benchmarks/post_training.md; on an H100 the whole-policy
-    compile took 37 s of a 110 s GRPO run). Other models (Hugging Face) compile whole."""
+    compilation costs about one block's, not the whole depth's: the first forward and backward
+    of the 6-layer policy of docs/benchmarks/post_training.md took 12 s against 54 s on the CPU
+    (on an H100 the whole-policy compile took 37 s of a 110 s GRPO run). Other models (Hugging
+    Face) compile whole."""
     from scratchlm.model.transformer import TransformerLM
 
     whole = _compiled_fn("whole", response_log_probs, backend)
