@@ -157,3 +157,54 @@ def test_a_caller_cut_short_by_a_file_size_limit_keeps_its_old_files(tmp_path, c
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "failed: File too large"
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing cut, nothing left over
+
+
+def test_exchange_paths_swaps_two_directories_or_says_it_cannot(tmp_path):
+    from scratchlm.fileio import exchange_paths
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "name").write_text(d.name)
+    if not exchange_paths(a, b):  # another system: nothing changed
+        assert (a / "name").read_text() == "a" and (b / "name").read_text() == "b"
+        return
+    assert (a / "name").read_text() == "b" and (b / "name").read_text() == "a"
+    with pytest.raises(OSError):
+        exchange_paths(a, tmp_path / "missing")
+
+
+def test_copy_tree_atomic_replaces_a_copy_with_no_moment_without_one(tmp_path, monkeypatch):
+    import scratchlm.fileio as fileio
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "vocab.json").write_text("new")
+    dst.mkdir()
+    (dst / "vocab.json").write_text("old")
+    (dst / "stale.txt").write_text("only in the old copy")
+    renames = []
+    real_rename = os.rename
+    monkeypatch.setattr(fileio.os, "rename", lambda a, b: (renames.append((a, b)), real_rename(a, b)))
+    swapped = []
+    real_exchange = fileio.exchange_paths
+    monkeypatch.setattr(fileio, "exchange_paths", lambda a, b: swapped.append(real_exchange(a, b)) or swapped[-1])
+    fileio.copy_tree_atomic(src, dst)
+    assert sorted(p.name for p in dst.iterdir()) == ["vocab.json"] and (dst / "vocab.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # the old copy is gone
+    if swapped == [True]:
+        assert renames == []  # one atomic exchange: dst never missing
+    else:  # the two renames elsewhere
+        assert len(renames) == 2
+
+
+def test_copy_tree_atomic_without_the_exchange_renames_twice(tmp_path, monkeypatch):
+    import scratchlm.fileio as fileio
+
+    monkeypatch.setattr(fileio, "exchange_paths", lambda a, b: False)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for d, text in ((src, "new"), (dst, "old")):
+        d.mkdir()
+        (d / "f").write_text(text)
+    fileio.copy_tree_atomic(src, dst)
+    assert (dst / "f").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Iterator
 from glob import escape as glob_escape
 from pathlib import Path
@@ -72,12 +75,14 @@ def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Make ``dst`` a copy of the directory ``src`` in one step; returns ``dst``.
 
     The files are copied (skipping `TEMPORARY_GLOB` names, what a writer killed in ``src`` may
-    have left) into a temporary sibling of ``dst``, fsynced, and renamed into place. A previous
-    ``dst`` is renamed aside just before and removed after, so ``dst`` ends up exactly a copy of
-    ``src`` (nothing of the old copy is kept). A process killed during the copy leaves the old
-    ``dst`` as it was; only between the two renames is there no ``dst``, and then the old copy
-    is in a hidden ``.NAME.XXXXXXXX.tmp`` sibling. Such leftovers of an earlier kill are
-    removed by the next copy.
+    have left) into a temporary sibling of ``dst``, fsynced, and put in place. A previous ``dst``
+    is swapped with the copy in one atomic step where the system can (Linux's `renameat2`
+    exchange, `exchange_paths`) and removed after, so ``dst`` ends up exactly a copy of ``src``
+    (nothing of the old copy is kept) and there is never a moment without one. Elsewhere the
+    previous ``dst`` is renamed aside just before the copy is renamed in: only between those
+    two renames is there no ``dst``, and then the old copy is in a hidden
+    ``.NAME.XXXXXXXX.tmp`` sibling. A process killed during the copy leaves the old ``dst`` as
+    it was; leftovers of an earlier kill are removed by the next copy.
     """
     src, dst = Path(src), Path(dst)
     for stale in dst.parent.glob(f".{glob_escape(dst.name)}.*.tmp"):
@@ -93,20 +98,50 @@ def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                 finally:
                     os.close(fd)
             _fsync_directory(Path(directory))
-        if dst.exists() or dst.is_symlink():
-            old = temporary_name(dst)
-            os.rename(dst, old)
-        os.rename(staging, dst)
+        if (dst.exists() or dst.is_symlink()) and exchange_paths(staging, dst):
+            old, staging = staging, None  # (the swap put the old copy where the new one was)
+        else:
+            if dst.exists() or dst.is_symlink():
+                old = temporary_name(dst)
+                os.rename(dst, old)
+            os.rename(staging, dst)
     except BaseException:
         if old is not None and not (dst.exists() or dst.is_symlink()):
             with contextlib.suppress(OSError):
                 os.rename(old, dst)  # the new copy did not take its place: the old one goes back
-        _remove(staging)
+        if staging is not None:
+            _remove(staging)
         raise
     _fsync_directory(dst.parent)
     if old is not None:
         _remove(old)
     return dst
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2` with RENAME_EXCHANGE).
+
+    Returns False, changing nothing, where the system or the file system has no such call
+    (another OS, an old C library or kernel, a file system that refuses it); other failures
+    raise OSError."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(b))
 
 
 def _remove(path: Path) -> None:
