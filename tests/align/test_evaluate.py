@@ -173,3 +173,15 @@ def test_eval_math_refuses_prompts_without_room_before_evaluating(tiny_policy, t
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     assert summary["total"] == 2 and summary["skipped_too_long"] == 1
     assert "skipped 1 problem(s)" in capsys.readouterr().out
+
+
+def test_eval_math_says_when_no_prompt_fits(tiny_policy, tmp_path, capsys):
+    from scratchlm.cli import main
+
+    tiny_policy.save(tmp_path / "run")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"question": "3+4? " * tiny_policy.context_length, "answer": "#### 7"}) + "\n")
+    for extra in ([], ["--skip-long"]):
+        assert main(["eval-math", str(tmp_path / "run"), "--dataset", str(data), "--device", "cpu", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "no prompt leaves room for an answer" in err and "\n" not in err

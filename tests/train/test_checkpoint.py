@@ -272,3 +272,14 @@ def test_single_file_weights_of_another_model_are_a_user_error(tmp_path):
                          model_config=ModelConfig(**{**TINY.__dict__, "d_ff": 64}))
     with pytest.raises(UserError, match=r"c\.pt do not fit the model its config describes"):
         ckpt.load_trained_model(tmp_path / "c.pt")
+
+
+def test_a_hugging_face_directory_is_named_as_such(tmp_path):
+    # An exported model given to generate/eval/export was reported as a damaged checkpoint.
+    from scratchlm.errors import UserError
+    from scratchlm.train.checkpoint import resolve_checkpoint
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="is a Hugging Face model directory .*not a scratchlm run"):
+        resolve_checkpoint(tmp_path)

@@ -238,13 +238,13 @@ def _examples_with_room(policy: Any, examples: list, template: Any, *, skip: boo
     lengths = [len(policy.encode(template.format(ex.question))) for ex in examples]
     fit = [ex for ex, n in zip(examples, lengths) if n < ctx]
     skipped = len(examples) - len(fit)
+    if not fit:
+        raise UserError(f"no prompt leaves room for an answer in the model's context of {ctx} tokens "
+                        f"(the shortest has {min(lengths)})")
     if skipped and not skip:
         raise UserError(f"{skipped} of {len(examples)} prompts leave no room for an answer in the model's context of "
                         f"{ctx} tokens (the longest has {max(lengths)}); pass --skip-long to grade the "
                         f"{len(fit)} that fit")
-    if not fit:
-        raise UserError(f"no prompt leaves room for an answer in the model's context of {ctx} tokens "
-                        f"(the shortest has {min(lengths)})")
     return fit, skipped
 
 

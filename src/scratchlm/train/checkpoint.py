@@ -549,6 +549,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if path.name == WEIGHTS or ((path.parent / WEIGHTS).is_file() and (path.parent / CONFIG).is_file()):
             return path.parent  # the weights or another file (optimizer.pt, state.pt, ...) of a step directory
         return path
+    if (path / "config.json").is_file() and not (path / CONFIG).is_file():
+        raise UserError(f"{path} is a Hugging Face model directory (config.json), not a scratchlm run; this command "
+                        "reads scratchlm runs, step directories or checkpoint files (eval-math, sft, "
+                        "expert-iteration, grpo and dpo also take Hugging Face directories)")
     if (path / WEIGHTS).is_file():
         return path
     if (path / CHECKPOINTS).is_dir():
