@@ -33,6 +33,10 @@ trained by ``scratchlm train-bpe`` on the training text and encoded once into ``
     python benchmarks/speedrun.py --shape 17m --budgets 60 180 600 --sides scratchlm \\
         --reference-json docs/benchmarks/speedrun.json --recipe optim.schedule=wsd --out wsd.json
 
+``--ref-tokens N`` also trains the reference for N tokens (its schedule over those steps, at its
+best lr) and reports how long each scratchlm run takes to reach that run's final loss, as a
+fraction of that run's time.
+
 ``--compile-cache`` sets the state of torch.compile's on-disk caches for every timed run, both
 sides alike: ``cold`` (the default: an empty cache of its own for each run, so each pays for all
 of its compilation, as a first run on a machine does), ``warm`` (each run's cache filled first
@@ -143,6 +147,15 @@ def reference_command(cfg, *, budget_s: float, lr: float, out: Path, data: dict[
             "--seed", str(t.seed), "--time-budget-s", f"{budget_s:g}", *(["--compile"] if cuda else [])]
 
 
+def reference_steps_command(cfg, *, steps: int, lr: float, out: Path, data: dict[str, Any], eval_interval: int,
+                            cuda: bool) -> list[str]:
+    """The reference trainer for a fixed number of steps (its schedule over those steps), no time budget."""
+    cmd = reference_command(cfg, budget_s=0, lr=lr, out=out, data=data, eval_interval=eval_interval, cuda=cuda)
+    cmd[cmd.index("--steps") + 1] = str(steps)
+    cut = cmd.index("--time-budget-s")
+    return cmd[:cut] + cmd[cut + 2:]
+
+
 def run_logged(cmd: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> None:
     """Run `cmd` with its output in `log_path` (and the scratchlm this script imports on its path),
     with `env_extra` added to its environment."""
@@ -221,6 +234,16 @@ def reference_result(run: Path) -> dict[str, Any]:
     return {"steps": summary["steps"], "tokens": summary["tokens"], "seconds": summary["train_seconds"],
             "val_loss": summary["final_val_loss"], "window_val_loss": summary["final_window_val_loss"],
             "curve": curve}
+
+
+def reference_tokens_result(run: Path) -> dict[str, Any]:
+    """Tokens, steps, seconds (compilation included, evaluations not), final loss on the evaluation
+    windows and validation curve of a fixed-steps reference run."""
+    summary = json.loads((run / "summary.json").read_text())
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "eval"]
+    return {"tokens": summary["tokens"], "steps": evals[-1]["step"], "seconds": summary["train_seconds"],
+            "window_val_loss": summary["final_val_loss"],
+            "curve": [(r["train_seconds"], r["val_loss"]) for r in evals if r["step"] > 0]}
 
 
 def scratchlm_result(run: Path) -> dict[str, Any]:
@@ -328,14 +351,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The printed table: one line per budget."""
     header = ("budget s", "ref lr", "ref val", "scratchlm val", "diff nats", "ref steps", "scratchlm steps",
               "ref tokens", "scratchlm tokens", "ref s to ref loss", "scratchlm s to ref loss")
+    tokens_run = any("ref_tokens_time_ratio" in r for r in rows)
+    if tokens_run:  # the reference's fixed-tokens run (--ref-tokens): scratchlm's time to its loss, / its time
+        header += ("scratchlm s to ref-tokens loss", "x ref-tokens time")
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for r in rows:
         ref, ours = r.get("reference") or {}, r.get("scratchlm") or {}
-        lines.append("| " + " | ".join([
+        cells = [
             fmt(r["budget_s"], "g"), fmt(r.get("ref_lr"), "g"), fmt(ref.get("val_loss"), ".4f"),
             fmt(ours.get("val_loss"), ".4f"), fmt(r.get("diff_nats"), "+.4f"), fmt(ref.get("steps"), ","),
             fmt(ours.get("steps"), ","), fmt(ref.get("tokens"), ","), fmt(ours.get("tokens"), ","),
-            fmt(ref.get("seconds_to_ref_loss"), ".1f"), fmt(ours.get("seconds_to_ref_loss"), ".1f")]) + " |")
+            fmt(ref.get("seconds_to_ref_loss"), ".1f"), fmt(ours.get("seconds_to_ref_loss"), ".1f")]
+        if tokens_run:
+            cells += [fmt(ours.get("seconds_to_ref_tokens_loss"), ".1f"), fmt(r.get("ref_tokens_time_ratio"), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -375,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-bin", help="an encoded training file (skips building the data)")
     p.add_argument("--val-bin", help="an encoded validation file")
     p.add_argument("--tokenizer", help="the tokenizer directory of those files ('' for none)")
+    p.add_argument("--ref-tokens", type=float, metavar="N",
+                   help="also train the reference for N tokens (e.g. 40.96e6) at its best lr, schedule over those "
+                        "steps: the time scratchlm's runs take to reach its final loss is compared with its own")
     p.add_argument("--compile-cache", choices=CACHE_MODES, default="cold",
                    help="the state of torch.compile's caches for every timed run, both sides alike: cold (an empty "
                         "cache each: compilation counts in full), warm (each filled first by a 1-second run of the "
@@ -438,6 +470,20 @@ def main(argv=None) -> int:
             results["ref_lr_sweep"] = {"budget_s": sweep_budget, "runs": sweep, "best_lr": best_lr}
             write_json(out_json, results)
 
+    ref_tokens = None
+    if stored is not None:
+        ref_tokens = json.loads(args.reference_json.read_text()).get("ref_tokens_run")
+    if args.ref_tokens and "reference" in args.sides:
+        steps = max(1, round(args.ref_tokens / (cfg.trainer.batch_size * cfg.model.context_length)))
+        run = args.work / f"ref_tokens_{args.ref_tokens:g}"
+        run_timed(reference_steps_command(cfg, steps=steps, lr=best_lr, out=run, data=data,
+                                          eval_interval=eval_interval, cuda=cuda), run, run / "log.txt")
+        ref_tokens = {"lr": best_lr, **reference_tokens_result(run)}
+    if ref_tokens is not None:
+        results["ref_tokens_run"] = ref_tokens
+        print(f"reference, {ref_tokens['tokens']:,} tokens: loss {ref_tokens['window_val_loss']:.4f} on the "
+              f"evaluation windows after {ref_tokens['seconds']:.1f} s", flush=True)
+
     for budget in budgets:
         folder = args.work / f"{budget:g}s"
         reference = ours = None
@@ -464,6 +510,10 @@ def main(argv=None) -> int:
         row = {"budget_s": budget, "ref_lr": best_lr if reference else None, "reference": reference,
                "scratchlm": ours}
         row.update(compare(reference, ours))
+        if ref_tokens is not None and ours is not None:
+            reached = time_to_reach(ours["curve"], ref_tokens["window_val_loss"])
+            ours["seconds_to_ref_tokens_loss"] = reached
+            row["ref_tokens_time_ratio"] = None if reached is None else reached / ref_tokens["seconds"]
         results["rows"].append(row)
         write_json(out_json, results)
         print(table(results["rows"]), flush=True)

@@ -268,3 +268,42 @@ def test_the_reference_command_gets_its_warm_up_budget_and_folder(tokens, tmp_pa
     warm = speedrun.with_budget(cmd, 1.0, tmp_path / "ref.warmup")
     assert warm[warm.index("--time-budget-s") + 1] == "1" and warm[warm.index("--out") + 1] == str(tmp_path / "ref.warmup")
     assert len(warm) == len(cmd) and [a for a in warm if a.startswith("--")] == [a for a in cmd if a.startswith("--")]
+
+
+@pytest.mark.slow  # two reference runs in their own processes
+def test_ref_tokens_runs_the_reference_for_fixed_tokens_and_gives_the_time_ratio(tokens, tmp_path, monkeypatch):
+    speedrun = load("speedrun")
+    real = speedrun.run_logged
+
+    def reference_only(cmd, log, env=None):  # the scratchlm side is faked below
+        if cmd[1:3] == ["-m", "scratchlm"]:
+            return None
+        return real(cmd, log, env)
+
+    monkeypatch.setattr(speedrun, "run_logged", reference_only)
+    monkeypatch.setattr(speedrun, "scratchlm_result", lambda run: {
+        "steps": 50, "tokens": 3200, "seconds": 1.5, "val_loss": 1.0, "curve": [(0.5, 99.0), (1.0, 0.0)]})
+    monkeypatch.setattr(speedrun, "evaluate_run", lambda run, data, **kw: 0.0)
+    out = tmp_path / "speedrun.json"
+    assert speedrun.main(["--shape", "tiny", "--budgets", "1.5", "--ref-lrs", "1e-2", "--ref-tokens", "6400",
+                          "--train-bin", tokens["train_bin"], "--val-bin", tokens["val_bin"], "--tokenizer", "",
+                          "--work", str(tmp_path / "work"), "--eval-interval", "20", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    run = results["ref_tokens_run"]
+    assert run["tokens"] == 6400 and run["steps"] == 100 and run["lr"] == 1e-2  # 64 tokens a step
+    assert 0 < run["seconds"] and len(run["curve"]) == 5 and run["curve"][-1][1] == run["window_val_loss"]
+    (row,) = results["rows"]
+    reached = 0.5 + 0.5 * (99.0 - run["window_val_loss"]) / 99.0  # on the faked curve
+    assert row["scratchlm"]["seconds_to_ref_tokens_loss"] == pytest.approx(reached)
+    assert row["ref_tokens_time_ratio"] == pytest.approx(reached / run["seconds"])
+    summary = json.loads((tmp_path / "work" / "ref_tokens_6400" / "summary.json").read_text())
+    assert summary["tokens"] == 6400  # trained for its tokens, not for a time budget
+
+
+def test_the_fixed_steps_reference_command_has_no_time_budget(tokens, tmp_path):
+    speedrun = load("speedrun")
+    cfg = load_config(TrainConfig, "tiny-cpu", [f"--model.vocab_size={VOCAB}"])
+    data = {"train_bin": tokens["train_bin"], "val_bin": tokens["val_bin"], "vocab_size": VOCAB}
+    cmd = speedrun.reference_steps_command(cfg, steps=123, lr=1e-3, out=tmp_path / "r", data=data,
+                                           eval_interval=10, cuda=False)
+    assert "--time-budget-s" not in cmd and cmd[cmd.index("--steps") + 1] == "123"
