@@ -70,3 +70,44 @@ def test_fused_head_compiles_the_trunk_and_needs_a_plain_strategy(compiled):
     assert init_strategy(ParallelConfig(), device="cpu").supports_fused_lm_head
     with pytest.raises(UserError, match="fused_lm_head"):
         parallelize(dist_workers.build("lm"), cfg, _Recorder(ParallelConfig(), device=torch.device("cpu")))
+
+
+def test_blocks_scope_compiles_one_block_call_and_leaves_the_model_plain(compiled):
+    from scratchlm.parallel.parallelize import _run_block
+
+    model = dist_workers.build("lm")
+    cfg = replace(TrainerConfig(), compile=True, compile_scope="blocks", fused_lm_head=True)
+    plain = type("PlainRecorder", (_Recorder,), {"supports_fused_lm_head": True})
+    run = parallelize(model, cfg, plain(ParallelConfig(), device=torch.device("cpu")))
+    assert compiled[0] == (_run_block, "default") and model.block_runner == ("compiled", _run_block)
+    assert run.model == ("wrapped", model)  # the module itself is not compiled
+    assert run.head_inputs == model.head_inputs  # its trunk runs the compiled blocks
+    with pytest.raises(ValueError, match="compile_scope must be 'model' or 'blocks'"):
+        replace(TrainerConfig(), compile_scope="layers")
+    with pytest.raises(UserError, match="needs a scratchlm Transformer"):
+        parallelize(torch.nn.Linear(2, 2), cfg, plain(ParallelConfig(), device=torch.device("cpu")))
+
+
+def test_blocks_scope_forward_and_backward_equal_the_plain_model_with_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from scratchlm.parallel.parallelize import _run_block
+
+    torch.manual_seed(0)
+    model = dist_workers.build("lm")
+    ids = torch.randint(0, model.vocab_size, (2, 8))
+    expected = model(ids)
+    expected.float().pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    counter = CompileCounterWithBackend("aot_eager")
+    model.block_runner = torch.compile(_run_block, backend=counter)
+    got = model(ids)
+    got.float().pow(2).mean().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    assert len(model.layers) > 1 and counter.frame_count == 1  # one graph serves every block
+    # cached and masked forwards (decoding, left padding) keep the plain blocks
+    model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
+    assert counter.frame_count == 1

@@ -246,7 +246,7 @@ def _first_step_grads(cfg, tmp_path, monkeypatch, name):
 
 
 def _reference_grads(cfg):
-    """Gradients of cross-entropy + coefficient-weighted aux losses, summed over micro-batches / accum."""
+    """Gradients of cross-entropy (+ coefficient-weighted aux losses of an MoE), summed over micro-batches / accum."""
     from scratchlm.model.moe import moe_aux_loss
     from scratchlm.model.transformer import build_model
     from scratchlm.train.trainer import seed_everything
@@ -260,7 +260,8 @@ def _reference_grads(cfg):
         logits = model(x)
         from scratchlm.model.functional import cross_entropy
 
-        loss = cross_entropy(logits, y) + moe_aux_loss(model, mc.moe_aux_coef, mc.moe_z_coef)
+        aux = moe_aux_loss(model, mc.moe_aux_coef, mc.moe_z_coef) if mc.ffn == "moe" else 0.0
+        loss = cross_entropy(logits, y) + aux
         (loss / tc.grad_accum_steps).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -463,3 +464,25 @@ def test_speedrun_model_switches_train(cfg, tmp_path):
     run_training(cfg)
     evals = _losses(tmp_path / "run", "eval", "val_loss")
     assert evals[-1][1] < evals[0][1] - 0.5
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "moe"])
+def test_blocks_compile_scope_trains_as_the_eager_model(cfg, tmp_path, monkeypatch, ffn):
+    """trainer.compile_scope="blocks": one compiled block call serves every block, and the
+    first update's gradients (MoE auxiliary losses included) are those of the eager model."""
+    real_compile = torch.compile
+    compiled_fns = []
+
+    def aot_eager(fn, **kw):
+        compiled_fns.append(fn)
+        return real_compile(fn, backend="aot_eager", **kw)
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    cfg = _moe(cfg, eval_at_start=False) if ffn == "moe" else replace(cfg, trainer=replace(cfg.trainer, eval_at_start=False))
+    cfg = replace(cfg, trainer=replace(cfg.trainer, compile=True, compile_scope="blocks"))
+    grads, trainer = _first_step_grads(cfg, tmp_path, monkeypatch, "blocks")
+    assert trainer.model is trainer.raw_model and trainer.raw_model.block_runner is not None
+    assert [getattr(f, "__name__", "") for f in compiled_fns] == ["_run_block", "cross_entropy"]
+    expected = _reference_grads(cfg)
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -48,6 +48,7 @@ state_dict (default keys are listed in DESIGN.md):
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -258,6 +259,10 @@ class TransformerLM(nn.Module):
         if zero_init_output:
             for block in self.layers:
                 _zero_output_projections(block)
+        # What runs each block in an uncached, unmasked forward: `block_runner(block, x)` in place
+        # of `block(x)`. None (plain calls) unless set from outside: `trainer.compile_scope="blocks"`
+        # sets one torch.compile of a block call that every block shares (scratchlm.parallel.parallelize).
+        self.block_runner: Callable[[nn.Module, Tensor], Tensor] | None = None
         if tie_embeddings:
             self.token_embeddings.weight = self.lm_head.weight
             self.register_state_dict_post_hook(_drop_tied_lm_head)
@@ -292,6 +297,11 @@ class TransformerLM(nn.Module):
             # Left padding: a row's first real token is position 0.
             token_positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         x = self.token_embeddings(token_ids)  # (B, T, d_model)
+        runner = self.block_runner
+        if runner is not None and kv_cache is None and attention_mask is None and token_positions is None:
+            for layer in self.layers:
+                x = runner(layer, x)
+            return self.ln_final(x)
         for layer in self.layers:
             x = layer(x, token_positions, kv_cache, attention_mask=attention_mask)
         return self.ln_final(x)

@@ -5,7 +5,9 @@ it runs is applied here from outside, always in this order:
 
 1. activation checkpointing of every `trainer.activation_checkpointing_every`-th block
    (in place: the blocks' forwards recompute in backward);
-2. `torch.compile(model, mode=trainer.compile_mode)` under `trainer.compile`;
+2. `torch.compile(model, mode=trainer.compile_mode)` under `trainer.compile`, or with
+   `trainer.compile_scope="blocks"` one compiled block call shared by every block (the model's
+   `block_runner`), the embedding, final norm and head left eager;
 3. the strategy's wrapper (`strategy.wrap_model`: DDP hooks, FSDP sharding, ...) around the
    compiled module, so gradient hooks and collectives stay outside the compiled graph.
 
@@ -51,13 +53,24 @@ def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Par
         from scratchlm.train.activation_checkpoint import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, every=cfg.activation_checkpointing_every)
-    if cfg.compile:
+    blockwise = cfg.compile and cfg.compile_scope == "blocks"
+    if blockwise:
+        if not hasattr(plain, "block_runner"):
+            raise UserError(f"trainer.compile_scope='blocks' needs a scratchlm Transformer, not {type(plain).__name__}")
+        plain.block_runner = torch.compile(_run_block, mode=cfg.compile_mode)
+    elif cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode)
     model = strategy.wrap_model(model)
     loss_fn = torch.compile(cross_entropy, mode=cfg.compile_mode) if cfg.compile else cross_entropy
     head_inputs = None
     if cfg.fused_lm_head:
         trunk = plain.head_inputs
-        head_inputs = torch.compile(trunk, mode=cfg.compile_mode) if cfg.compile else trunk
+        head_inputs = torch.compile(trunk, mode=cfg.compile_mode) if cfg.compile and not blockwise else trunk
     cudagraphs = cfg.compile and cfg.compile_mode == "reduce-overhead" and strategy.device.type == "cuda"
     return Parallelized(model=model, loss_fn=loss_fn, head_inputs=head_inputs, cudagraphs=cudagraphs)
+
+
+def _run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One block's forward: under `trainer.compile_scope="blocks"` its single compilation serves
+    every block (they share their code, and their weights are the graph's inputs)."""
+    return block(x)

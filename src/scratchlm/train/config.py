@@ -47,6 +47,10 @@ class TrainerConfig:
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" ("float32", "bfloat16" too)
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    # What torch.compile takes: "model" (the whole forward: one graph, fused across blocks) or
+    # "blocks" (one compiled block call that every block shares: the compilation costs about one
+    # block's, not the whole depth's; scratchlm Transformers only).
+    compile_scope: str = "model"
     # With compile: where torch.compile's on-disk caches live (compiled graphs, autotuning, Dynamo's
     # dynamic-shape profile), so a later run of the same model starts faster. "" = torch's default
     # (/tmp/torchinductor_<user>, lost when /tmp is cleaned); "auto" = ~/.cache/scratchlm/compile;
@@ -99,6 +103,8 @@ class TrainerConfig:
                 f"trainer.batch_size ({self.batch_size}) must be divisible by "
                 f"trainer.grad_accum_steps ({self.grad_accum_steps})"
             )
+        if self.compile_scope not in ("model", "blocks"):
+            raise ValueError(f"trainer.compile_scope must be 'model' or 'blocks', got {self.compile_scope!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.dtype != "auto":

@@ -231,7 +231,8 @@ class Trainer:
         from scratchlm.train.compile_cache import use_compile_cache
 
         tc = self.cfg.trainer
-        shape = {k: getattr(tc, k) for k in ("batch_size", "grad_accum_steps", "compile_mode", "fused_lm_head",
+        shape = {k: getattr(tc, k) for k in ("batch_size", "grad_accum_steps", "compile_mode", "compile_scope",
+                                             "fused_lm_head",
                                              "activation_checkpointing", "activation_checkpointing_every",
                                              "seq_len_warmup_steps")}
         job = config_to_toml(self.cfg.model) + repr(sorted(shape.items())) + f"{self.world_size} {self.device.type}"
@@ -452,6 +453,9 @@ class Trainer:
         # module gives the same loss without compiling a no_grad graph.
         eager = self.strategy.eval_plain_model and not self.cfg.trainer.compile_eval
         model = self.raw_model if eager else self.model
+        runner = getattr(self.raw_model, "block_runner", None)
+        if eager and runner is not None:  # compile_scope="blocks": the plain blocks, not their compiled call
+            self.raw_model.block_runner = None
         model.eval()
         try:
             # A fixed set of windows (eval_batches global batches), so the loss does not depend on
@@ -462,6 +466,8 @@ class Trainer:
                 total, count = evaluation_totals(model, self.data.eval_batches(windows, self.device))
         finally:
             model.train()
+            if runner is not None:
+                self.raw_model.block_runner = runner
         total, count = self.strategy.all_reduce_means([total, float(count)])
         if count == 0:
             raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
