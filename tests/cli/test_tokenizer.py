@@ -131,3 +131,21 @@ def test_train_bpe_with_a_one_byte_special_token_loads_back_what_was_trained(cor
     assert tok.special_token_ids == {"<|endoftext|>": 398, special: 399}
     assert tok.encode(f"a{special}b") == tok.encode("a") + [399] + tok.encode("b")
     assert json.loads((out / "train_bpe.json").read_text())["tokenizer_hash"] == tok.hash
+
+
+def test_tokenizer_stats_refuses_a_token_file_as_its_sample(corpus, tmp_path, capsys):
+    # A token file read as text gave statistics of its bytes: 1.000 bytes/token, all single bytes.
+    tok = tmp_path / "tok"
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(tok), "--quiet"]) == 0
+    tokens = tmp_path / "stories.bin"
+    assert main(["encode", str(corpus), "--tokenizer", str(tok), "--out", str(tokens)]) == 0
+    capsys.readouterr()
+    assert main(["tokenizer-stats", str(tok), str(tokens)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a token file (written by `scratchlm encode`), not text" in err and "\n" not in err
+    renamed = tmp_path / "stories.dat"  # without its sidecar: its NUL bytes give it away
+    renamed.write_bytes(tokens.read_bytes())
+    assert main(["tokenizer-stats", str(tok), str(renamed)]) == 2
+    assert "binary data (NUL bytes), not a text sample" in capsys.readouterr().err
+    (tmp_path / "stories.json").write_text(tokens.with_suffix(".json").read_text())
+    assert main(["tokenizer-stats", str(tok), str(corpus)]) == 0  # a text file beside a sidecar of its name

@@ -117,6 +117,11 @@ def tokenizer_stats_command(argv: list[str]) -> int:
     from scratchlm.tokenizer.stats import format_stats, read_sample, tokenizer_stats
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
+    from scratchlm.data.token_file import read_sidecar
+
+    if args.sample.suffix == ".bin" and args.sample.is_file() and read_sidecar(args.sample) is not None:
+        raise UserError(f"{args.sample} is a token file (written by `scratchlm encode`), not text; "
+                        "tokenizer-stats reads a UTF-8 text sample, such as the file that was encoded")
     tokenizer = Tokenizer.load(args.tokenizer_dir)
     text = read_sample(args.sample, int(args.max_mb * 1e6))
     if not text:

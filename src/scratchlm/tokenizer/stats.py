@@ -18,6 +18,8 @@ def read_sample(path: str | os.PathLike, max_bytes: int) -> str:
         raise UserError(f"{path}: sample file not found" if not path.exists() else f"{path}: not a file")
     with open(path, "rb") as f:
         data = f.read(max_bytes)
+    if b"\x00" in data:  # text has no NUL bytes; a token file (uint16 ids below 256) has many
+        raise UserError(f"{path}: binary data (NUL bytes), not a text sample; tokenizer-stats reads UTF-8 text")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
