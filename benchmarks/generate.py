@@ -10,7 +10,10 @@ embeddings). Two workloads:
 
 - batch 1: greedy, a 64-token prompt, --new-tokens (256) new tokens. Peers: HF `generate`
   (dynamic cache), HF `generate` with `cache_implementation="static"` (which compiles its
-  decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile.
+  decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile,
+  and two variants of the latter: without the stacked q|k|v and w1|w3 projections, and with
+  Inductor's "max-autotune-no-cudagraphs" (Triton matmul templates benchmarked against cuBLAS per
+  shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`).
   tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
   step reads (all but the input embedding, unless tied) once, so the limit is
   bandwidth / weight bytes tokens/s; bandwidth is measured (device-to-device copy).
@@ -139,19 +142,18 @@ def _hf_generate(hf, prompts, new_tokens, *, static=False, sample=False, stop_id
     return rows
 
 
-_UNSTACKED = {}
+_KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), kept across the timed runs
 
 
-def _unstacked(model, prompts, new_tokens):
-    """Greedy decoding by a compiled, captured engine without stacked projections (one kept)."""
+def _variant(name: str, model, prompts, new_tokens, **engine_options):
+    """Greedy decoding by a compiled, captured engine built with `engine_options` (one kept per variant)."""
     from scratchlm.infer.engine import DecodeEngine
 
     need = max(len(p) for p in prompts) + new_tokens
-    if _UNSTACKED.get("need") != need:
-        _UNSTACKED.update(need=need, engine=DecodeEngine(model, len(prompts), need, compile=True,
-                                                         stack_projections=False))
+    if name not in _KEPT or _KEPT[name][0] != need:
+        _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=True, **engine_options))
     with torch.inference_mode():
-        return _UNSTACKED["engine"].run(prompts, [new_tokens] * len(prompts), temperature=0)
+        return _KEPT[name][1].run(prompts, [new_tokens] * len(prompts), temperature=0)
 
 
 def _agreement(a, b) -> float:
@@ -253,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
         "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
         # the same compiled engine with q, k, v and w1, w3 as separate matmuls: what stacking gives
-        "scratchlm_engine_graphs_compile_unstacked": lambda: _unstacked(model, prompt, n),
+        "scratchlm_engine_graphs_compile_unstacked": lambda: _variant("unstacked", model, prompt, n,
+                                                                      stack_projections=False),
+        # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
+        "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
+                                                                     compile_mode="max-autotune-no-cudagraphs"),
     }
     results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")

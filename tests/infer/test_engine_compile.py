@@ -84,3 +84,17 @@ def test_compiled_cuda_engines_do_not_hit_the_recompile_limit():
             assert 2 <= graphs <= 4, (slots, max_len, graphs)
             eager = DecodeEngine(m, slots, max_len, len_bucket=64, cuda_graphs=False)
             assert out == eager.run(prompts, budgets, temperature=0)
+
+
+def test_compile_mode_is_checked_and_reaches_torch_compile(model, monkeypatch):
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        DecodeEngine(model, 2, 16, compile_mode="reduce-overhead")  # the engine captures graphs itself
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    engine = DecodeEngine(model, 2, 16, compile_mode="max-autotune-no-cudagraphs")
+    engine._compiled_step()
+    engine._compiled_prefill()
+    assert [kw["mode"] for kw in seen] == ["max-autotune-no-cudagraphs"] * 2
+    seen.clear()
+    DecodeEngine(model, 2, 16)._compiled_step()
+    assert seen[0]["mode"] is None

@@ -48,6 +48,11 @@ from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
 
 
+# torch.compile modes a DecodeEngine may use: none captures CUDA graphs of its own (the engine
+# captures its steps itself). "max-autotune-no-cudagraphs" benchmarks Triton templates against
+# cuBLAS for each matmul shape (with their epilogues fused) at compile time: a longer start.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
 # The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
 # which torch.compile would specialise on, for little padding.
 PREFILL_BUCKET = 16
@@ -91,7 +96,8 @@ class DecodeEngine:
 
     One engine can serve many `run` calls with the same slot count and maximum length; its
     captured steps are kept. `compile` wraps the step's forward and the prefill's in
-    `torch.compile` (CUDA only); `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
+    `torch.compile` (CUDA only), in `compile_mode` (None: torch's default; `COMPILE_MODES`);
+    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
     `stack_projections` (default) keeps each layer's q|k|v and w1|w3 weights as one matrix each,
     refreshed from the model at every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a
     step, for a copy of those weights in memory (in the autocast dtype under autocast), made only
@@ -103,7 +109,11 @@ class DecodeEngine:
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
-                 stack_projections: bool = True, pad_lm_head: bool = True) -> None:
+                 stack_projections: bool = True, pad_lm_head: bool = True,
+                 compile_mode: str | None = None) -> None:
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
+        self.compile_mode = compile_mode
         self.model = model
         self.device = next(model.parameters()).device
         self.slots = slots
@@ -186,7 +196,8 @@ class DecodeEngine:
         """
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         own.__qualname__ = fn.__qualname__
-        compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend)
+        mode = self.compile_mode if backend == "inductor" else None  # (a test's backend takes no mode)
+        compiled = torch.compile(types.MethodType(own, self), dynamic=True, backend=backend, mode=mode)
         fx_config = torch.fx.experimental._config
         no_duck = {"use_duck_shape": False} if hasattr(fx_config, "use_duck_shape") else {}
 
