@@ -13,7 +13,8 @@ embeddings). Two workloads:
   decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile,
   and two variants of the latter: without the stacked q|k|v and w1|w3 projections, and with
   Inductor's "max-autotune-no-cudagraphs" (Triton matmul templates benchmarked against cuBLAS per
-  shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`).
+  shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`),
+  and with the Triton decode attention (`decode_attention="triton"`, at batch 1 and in the rollouts).
   tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
   step reads (all but the input embedding, unless tied) once, so the limit is
   bandwidth / weight bytes tokens/s; bandwidth is measured (device-to-device copy).
@@ -145,15 +146,24 @@ def _hf_generate(hf, prompts, new_tokens, *, static=False, sample=False, stop_id
 _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), kept across the timed runs
 
 
-def _variant(name: str, model, prompts, new_tokens, **engine_options):
-    """Greedy decoding by a compiled, captured engine built with `engine_options` (one kept per variant)."""
+def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), **engine_options):
+    """Decoding by a compiled, captured engine built with `engine_options` (one kept per variant):
+    greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
+    the attention windows of `generate`'s engines."""
     from scratchlm.infer.engine import DecodeEngine
+    from scratchlm.infer.generate import _LEN_BUCKET
 
     need = max(len(p) for p in prompts) + new_tokens
     if name not in _KEPT or _KEPT[name][0] != need:
-        _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=True, **engine_options))
+        _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=True, len_bucket=_LEN_BUCKET,
+                                          **engine_options))
+    engine = _KEPT[name][1]
     with torch.inference_mode():
-        return _KEPT[name][1].run(prompts, [new_tokens] * len(prompts), temperature=0)
+        if not stop_ids:
+            return engine.run(prompts, [new_tokens] * len(prompts), temperature=0)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        return engine.run(prompts, [new_tokens] * len(prompts), temperature=1.0, stop_ids=stop_ids,
+                          generator=generator)
 
 
 def _agreement(a, b) -> float:
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
+        # decode attention by the Triton kernel that reads each row's own keys only
+        "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant("triton_attention", model, prompt, n,
+                                                                             decode_attention="triton"),
     }
     results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")
@@ -293,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             "hf_generate_dynamic": lambda: _hf_generate(hf, prompts, m, sample=True, stop_ids=stop_ids),
             "scratchlm_engine_graphs_compile": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids,
                                                                 seed=0, compile=True),
+            "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant(
+                f"triton_attention_x{B}", model, prompts, m, stop_ids=stop_ids, decode_attention="triton"),
         }
         timed = _time_peers(impls, args.rollout_repeats, args.skip, lambda out: sum(len(o) for o in out),
                             f" rollouts x{B}")

@@ -97,7 +97,9 @@ class DecodeEngine:
     One engine can serve many `run` calls with the same slot count and maximum length; its
     captured steps are kept. `compile` wraps the step's forward and the prefill's in
     `torch.compile` (CUDA only), in `compile_mode` (None: torch's default; `COMPILE_MODES`);
-    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs.
+    `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `decode_attention`: "sdpa"
+    (torch's fused attention over the step's window, masked) or "triton" (a kernel that reads
+    each row's keys up to its own position: `scratchlm.kernels.decode_attention_triton`).
     `stack_projections` (default) keeps each layer's q|k|v and w1|w3 weights as one matrix each,
     refreshed from the model at every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a
     step, for a copy of those weights in memory (in the autocast dtype under autocast), made only
@@ -110,9 +112,11 @@ class DecodeEngine:
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
-                 compile_mode: str | None = None) -> None:
+                 compile_mode: str | None = None, decode_attention: str = "sdpa") -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
+        if decode_attention not in ("sdpa", "triton"):
+            raise ValueError(f"decode_attention must be 'sdpa' or 'triton', got {decode_attention!r}")
         self.compile_mode = compile_mode
         self.model = model
         self.device = next(model.parameters()).device
@@ -123,6 +127,7 @@ class DecodeEngine:
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self.cache = StaticKVCache.for_model(model, slots, max_len, device=self.device)
+        self.cache.decode_attention = decode_attention
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
             self.cache.projections = projections if len(projections) and projections.fits(self.device) else None

@@ -86,6 +86,9 @@ class StaticKVCache:
         # stacked q|k|v and w1|w3 weights the views offer the model (`scratchlm.infer.stacked`);
         # the engine sets and refreshes them
         self.projections = None
+        # decode steps' attention: "sdpa" (torch's fused kernel over the masked window) or
+        # "triton" (`scratchlm.kernels.decode_attention_triton`: each row reads only its own keys)
+        self.decode_attention = "sdpa"
 
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
@@ -191,7 +194,12 @@ class DecodeView:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """q (b, H, 1, d) over the window k, v (b, Hkv, L, d) by torch's fused kernel, in the cache's
         dtype: the math path would first copy the whole window to float32, the bulk of a
-        batched step's memory traffic."""
+        batched step's memory traffic. With the cache's ``decode_attention="triton"``, by the
+        Triton kernel that reads each row's keys up to its own position only."""
+        if self.cache.decode_attention == "triton":
+            from scratchlm.kernels.decode_attention_triton import decode_attention
+
+            return decode_attention(q, k, v, self.pos, self.sliding_window).to(q.dtype)
         return grouped_sdpa(q.to(k.dtype), k, v, mask).to(q.dtype)
 
     def positions(self, T: int, *, layer_idx: int = 0, device=None) -> Tensor:

@@ -1,0 +1,131 @@
+"""Attention of one new query per row over a static KV cache, reading only each row's own keys.
+
+In a decode step every row attends from its newest token to the keys in its cache: positions
+0 .. pos (or, with a sliding window of w, pos - w + 1 .. pos). torch's fused attention reads a
+window of L slots for every row, the longest row's, and masks the rest; at batch 64 on an H100
+cuDNN's kernel took 39% of a GPT-2-small decode step (docs/benchmarks/generate.md) at about a
+third of the memory bandwidth. Here one program per (row, query head) walks its row's keys in
+tiles of BLOCK_N with an online softmax (running max and sum, in float32) and reads nothing
+past the row's position, so short rows of a ragged batch cost only what they hold.
+
+``decode_attention(q, k, v, pos, window)``: q (b, H, 1, d), k and v (b, Hkv, L, d) (views of the
+cache buffers, unit stride in d), pos (b,) the position of each row's newest key (< L); query
+head h reads kv head h // (H / Hkv), as `grouped_sdpa`. Returns (b, H, 1, d) in k's dtype, the
+softmax scale 1 / √d (torch's default). It is the op ``scratchlm::decode_attention`` (a
+``triton_op`` where torch has it: torch.compile launches the kernel from its own code and CUDA
+graphs capture it); on tensors Triton cannot run it computes the same with torch's fused
+attention and a mask built from pos.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
+from scratchlm.kernels.triton_support import device_of as _device
+from scratchlm.kernels.triton_support import register_op as _register
+from scratchlm.kernels.triton_support import tl, triton, wrap_triton
+
+__all__ = ["decode_attention", "decode_attention_reference"]
+
+BLOCK_N = 64  # keys a tile
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(Q, K, V, O, POS, qk_scale, L, window,
+                                 stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
+                                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
+                                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        kv_head = head // GROUP
+        pos = tl.load(POS + row)
+        hi = tl.minimum(pos + 1, L)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(pos - window + 1, 0)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + row * stride_qb + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+        q = q * qk_scale  # scale and log2(e) folded in: the softmax runs in base 2
+        k_base = K + row * stride_kb + kv_head * stride_kh
+        v_base = V + row * stride_vb + kv_head * stride_vh
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            tile_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1)
+            s = tl.where(n_ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
+        out = acc / l_i
+        tl.store(O + row * stride_ob + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                               window: int = 0) -> torch.Tensor:
+    """The op's result by torch's fused attention over the masked window (the formula it computes)."""
+    b, H, _, d = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    slot = torch.arange(L, device=q.device)
+    visible = slot <= pos[:, None]
+    if window > 0:
+        visible = visible & (slot > pos[:, None] - window)
+    out = F.scaled_dot_product_attention(q.reshape(b, Hkv, H // Hkv, d).to(k.dtype), k, v,
+                                         attn_mask=visible[:, None, None, :])
+    return out.reshape(b, H, 1, d)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    b, H, T, d = q.shape
+    if T != 1 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or H % k.shape[1]:
+        raise ValueError(f"decode_attention: q (b, H, 1, d) and k, v (b, Hkv, L, d) with Hkv dividing H; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if pos.shape != (b,):
+        raise ValueError(f"decode_attention: pos must be (b,) = ({b},), got {tuple(pos.shape)}")
+
+
+def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                           window: int) -> torch.Tensor:
+    _check(q, k, v, pos)
+    if not _can_use_triton(k) or k.stride(3) != 1 or v.stride(3) != 1 or q.stride(3) != 1:
+        return decode_attention_reference(q, k, v, pos, window)
+    b, H, _, d = q.shape
+    out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
+    qk_scale = math.log2(math.e) / math.sqrt(d)
+    with _device(k):
+        wrap_triton(_decode_attention_kernel)[(b, H)](
+            q, k, v, out, pos, qk_scale, k.shape[2], window,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
+            GROUP=H // k.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=BLOCK_N,
+            HAS_WINDOW=window > 0, num_warps=4)
+    return out
+
+
+def _decode_attention_fake(q, k, v, pos, window):
+    return torch.empty((q.shape[0], q.shape[1], 1, q.shape[3]), dtype=k.dtype, device=k.device)
+
+
+_decode_attention_op = _register("scratchlm::decode_attention", _decode_attention_impl, _decode_attention_fake)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
+    """Softmax attention of q (b, H, 1, d) over each row's keys 0 .. pos[row] (the last `window`
+    of them with a sliding window) in k, v (b, Hkv, L, d): (b, H, 1, d) in k's dtype."""
+    return _decode_attention_op(q, k, v, pos, int(window or 0))
