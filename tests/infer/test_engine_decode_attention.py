@@ -7,19 +7,10 @@ import pytest
 import torch
 
 from scratchlm.infer.engine import DecodeEngine
-from scratchlm.model.transformer import TransformerLM
 from tests.infer.cuda_models import peaked_cuda_lm
+from tests.infer.test_engine_prefill import _model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model(seed=0, **kw):
-    torch.manual_seed(seed)
-    m = TransformerLM(vocab_size=50, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                      rope_theta=10_000.0, dtype=torch.float32, **kw)
-    with torch.no_grad():  # confident greedy paths: no argmax near-ties between equal computations
-        m.lm_head.weight.mul_(8)
-    return m.eval()
 
 
 @pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2, "qk_norm": True, "sliding_window": 6}])
