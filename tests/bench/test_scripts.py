@@ -41,8 +41,8 @@ def documented_command_lines() -> list[tuple[str, list[str], str]]:
 COMMAND_LINES = documented_command_lines()
 
 # Scripts that stop with a message (exit status 1) where no CUDA device is present.
-NEEDS_CUDA = {"attention": [], "attention_tiles": [], "lm_head": [], "step_breakdown": [], "train_loop": [],
-              "train_step": []}
+NEEDS_CUDA = {"attention": [], "attention_tiles": [], "decode_attention": [], "lm_head": [], "step_breakdown": [],
+              "train_loop": [], "train_step": []}
 
 
 def load(stem: str):
