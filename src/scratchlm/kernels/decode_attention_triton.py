@@ -107,8 +107,9 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     b, H, _, d = q.shape
     out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
     qk_scale = math.log2(math.e) / math.sqrt(d)
+    grid = lambda meta: (b, H)  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
     with _device(k):
-        wrap_triton(_decode_attention_kernel)[(b, H)](
+        wrap_triton(_decode_attention_kernel)[grid](
             q, k, v, out, pos, qk_scale, k.shape[2], window,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
