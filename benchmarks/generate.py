@@ -14,7 +14,9 @@ embeddings). Two workloads:
   and two variants of the latter: without the stacked q|k|v and w1|w3 projections, and with
   Inductor's "max-autotune-no-cudagraphs" (Triton matmul templates benchmarked against cuBLAS per
   shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`),
-  and with the Triton decode attention (`decode_attention="triton"`, at batch 1 and in the rollouts).
+  with Inductor's `decompose_mem_bound_mm` and `coordinate_descent_tuning` (the batch-1 matmuls as
+  reductions fused with their neighbours), and with the Triton decode attention
+  (`decode_attention="triton"`, at batch 1 and in the rollouts).
   tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
   step reads (all but the input embedding, unless tied) once, so the limit is
   bandwidth / weight bytes tokens/s; bandwidth is measured (device-to-device copy).
@@ -270,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
+        # Inductor turning the tiny matmuls into reductions it can fuse with their neighbours
+        # (RMSNorm before, residual add after), its kernels tuned by coordinate descent
+        "scratchlm_engine_graphs_compile_gemv": lambda: _variant("gemv", model, prompt, n, inductor_options={
+            "decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}),
         # decode attention by the Triton kernel that reads each row's own keys only
         "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant("triton_attention", model, prompt, n,
                                                                              decode_attention="triton"),

@@ -98,3 +98,24 @@ def test_compile_mode_is_checked_and_reaches_torch_compile(model, monkeypatch):
     seen.clear()
     DecodeEngine(model, 2, 16)._compiled_step()
     assert seen[0]["mode"] is None
+
+
+def test_inductor_options_are_checked_and_in_effect_while_compiling(model):
+    import torch._inductor.config as inductor_config
+
+    with pytest.raises(ValueError, match="unknown inductor option"):
+        DecodeEngine(model, 2, 16, inductor_options={"no_such_option": True})
+    engine = DecodeEngine(model, 2, 16, inductor_options={"coordinate_descent_tuning": True})
+    seen = []
+
+    def backend(gm, example_inputs):  # a compiler that records the setting it runs under
+        seen.append(inductor_config.coordinate_descent_tuning)
+        return gm.forward
+
+    with torch.inference_mode():
+        engine._forward = engine._compiled_step(backend=backend)
+        engine._refresh_projections()
+        engine._prefill([0, 1], [[1, 2, 3], [4, 5]])
+        engine.lens[:2] = torch.tensor([3, 2])
+        engine._forward(engine.tokens[:2], engine.lens[:2], 8)
+    assert seen == [True] and inductor_config.coordinate_descent_tuning is False

@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch._inductor.config
 from torch import Tensor, nn
 
 from scratchlm.infer.padded_head import PaddedHead
@@ -96,7 +97,9 @@ class DecodeEngine:
 
     One engine can serve many `run` calls with the same slot count and maximum length; its
     captured steps are kept. `compile` wraps the step's forward and the prefill's in
-    `torch.compile` (CUDA only), in `compile_mode` (None: torch's default; `COMPILE_MODES`);
+    `torch.compile` (CUDA only), in `compile_mode` (None: torch's default; `COMPILE_MODES`) and
+    with `inductor_options` (``torch._inductor.config`` settings in effect while they compile, e.g.
+    {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True});
     `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `decode_attention`: "sdpa"
     (torch's fused attention over the step's window, masked) or "triton" (a kernel that reads
     each row's keys up to its own position: `scratchlm.kernels.decode_attention_triton`).
@@ -112,12 +115,17 @@ class DecodeEngine:
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
-                 compile_mode: str | None = None, decode_attention: str = "sdpa") -> None:
+                 compile_mode: str | None = None, inductor_options: dict | None = None,
+                 decode_attention: str = "sdpa") -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton"):
             raise ValueError(f"decode_attention must be 'sdpa' or 'triton', got {decode_attention!r}")
         self.compile_mode = compile_mode
+        self.inductor_options = dict(inductor_options or {})
+        unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
+        if unknown:
+            raise ValueError(f"unknown inductor option(s) {', '.join(unknown)}")
         self.model = model
         self.device = next(model.parameters()).device
         self.slots = slots
@@ -206,8 +214,11 @@ class DecodeEngine:
         fx_config = torch.fx.experimental._config
         no_duck = {"use_duck_shape": False} if hasattr(fx_config, "use_duck_shape") else {}
 
+        inductor = self.inductor_options
+
         def call(*args):
-            with torch._dynamo.config.patch(_recompile_limits(limit)), fx_config.patch(no_duck):
+            with (torch._dynamo.config.patch(_recompile_limits(limit)), fx_config.patch(no_duck),
+                  torch._inductor.config.patch(inductor)):
                 return compiled(*args)
 
         return call
