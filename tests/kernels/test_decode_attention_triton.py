@@ -29,6 +29,9 @@ CASES = [  # (b, H, Hkv, max_len, L, d, window)
     (5, 6, 2, 200, 192, 32, 0),  # grouped-query attention, several tiles a row
     (4, 4, 1, 100, 96, 24, 0),  # a head dim that is not a power of two
     (4, 4, 2, 150, 130, 16, 37),  # sliding window
+    (1, 2, 1, 200, 200, 16, 9),  # batch 1: split among programs, three of four with no keys in the window
+    (32, 4, 2, 40, 33, 16, 0),  # rows x heads enough programs: no split
+    (40, 4, 4, 70, 64, 8, 9),
 ]
 
 
@@ -85,3 +88,15 @@ def test_bad_shapes_are_refused():
 def test_decode_attention_on_cuda():
     _check("cuda", torch.bfloat16, 2e-2)
     _check("cuda", torch.float32, 1e-4)
+
+
+def test_keys_are_split_only_where_rows_times_heads_are_few():
+    from scratchlm.kernels import decode_attention_triton as mod
+
+    if not triton_available():
+        pytest.skip("splits_for sizes Triton launches")
+    assert mod.splits_for(64, 12, 256) == 1  # 768 programs
+    assert mod.splits_for(1, 12, 256) == 4  # as many as the window's tiles
+    assert mod.splits_for(1, 12, 4096) == 16  # ~256 programs, at most 16 a row
+    assert mod.splits_for(2, 32, 1024) == 4
+    assert mod.splits_for(1, 4, 10) == 1  # one tile

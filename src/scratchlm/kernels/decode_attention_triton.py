@@ -6,7 +6,10 @@ window of L slots for every row, the longest row's, and masks the rest; at batch
 cuDNN's kernel took 39% of a GPT-2-small decode step (docs/benchmarks/generate.md) at about a
 third of the memory bandwidth. Here one program per (row, query head) walks its row's keys in
 tiles of BLOCK_N with an online softmax (running max and sum, in float32) and reads nothing
-past the row's position, so short rows of a ragged batch cost only what they hold.
+past the row's position, so short rows of a ragged batch cost only what they hold. Where rows x
+heads are too few programs to fill the GPU (batch 1: 12 for GPT-2), each row's keys are split
+among up to 16 programs (`splits_for`) whose partial results (max, sum, unnormalised output) a
+second small kernel combines.
 
 ``decode_attention(q, k, v, pos, window)``: q (b, H, 1, d), k and v (b, Hkv, L, d) (views of the
 cache buffers, unit stride in d), pos (b,) the position of each row's newest key (< L); query
@@ -36,11 +39,11 @@ BLOCK_N = 64  # keys a tile
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, O, POS, qk_scale, L, window,
+    def _decode_attention_kernel(Q, K, V, O, POS, M, LSUM, ACC, qk_scale, L, window, num_heads,
                                  stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         kv_head = head // GROUP
@@ -49,6 +52,11 @@ if triton is not None:
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(pos - window + 1, 0)
+        if SPLITS > 1:  # this program's share of the row's keys, in whole tiles
+            split = tl.program_id(2).to(tl.int64)
+            chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+            lo = lo + split * chunk
+            hi = tl.minimum(lo + chunk, hi)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         q = tl.load(Q + row * stride_qb + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -72,8 +80,28 @@ if triton is not None:
             v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
-        out = acc / l_i
-        tl.store(O + row * stride_ob + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
+        if SPLITS == 1:
+            out = acc / l_i
+            tl.store(O + row * stride_ob + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
+        else:  # the split's running max, sum and unnormalised output, for _combine_splits (an empty split: -inf, 0, 0)
+            idx = (row * num_heads + head) * SPLITS + split
+            tl.store(M + idx, m_i)
+            tl.store(LSUM + idx, l_i)
+            tl.store(ACC + idx * BLOCK_D + d, acc)
+
+    @triton.jit
+    def _combine_splits(M, LSUM, ACC, O, num_heads, stride_ob, stride_oh,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        idx = (row * num_heads + head) * SPLITS + tl.arange(0, SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        m = tl.load(M + idx)
+        weight = tl.exp2(m - tl.max(m, axis=0))  # 0 for an empty split (m = -inf)
+        total = tl.sum(weight * tl.load(LSUM + idx), axis=0)
+        acc = tl.load(ACC + idx[:, None] * BLOCK_D + d[None, :])
+        out = tl.sum(weight[:, None] * acc, axis=0) / total
+        tl.store(O + row * stride_ob + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -99,22 +127,45 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor)
         raise ValueError(f"decode_attention: pos must be (b,) = ({b},), got {tuple(pos.shape)}")
 
 
+def splits_for(b: int, H: int, L: int, programs: int = 256, most: int = 16) -> int:
+    """How many programs share one (row, head)'s keys: 1 where b·H programs already fill the GPU,
+    else a power of two up to `most` that brings the launch near `programs` programs, and no more
+    than the window has tiles (each split takes whole tiles)."""
+    if b * H >= programs // 2:
+        return 1
+    want = triton.next_power_of_2(-(-programs // (b * H)))
+    tiles = triton.next_power_of_2(-(-L // BLOCK_N))
+    return max(1, min(most, want, tiles))
+
+
 def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                            window: int) -> torch.Tensor:
     _check(q, k, v, pos)
     if not _can_use_triton(k) or k.stride(3) != 1 or v.stride(3) != 1 or q.stride(3) != 1:
         return decode_attention_reference(q, k, v, pos, window)
     b, H, _, d = q.shape
+    L = k.shape[2]
     out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
     qk_scale = math.log2(math.e) / math.sqrt(d)
-    grid = lambda meta: (b, H)  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
+    block_d = triton.next_power_of_2(d)
+    splits = splits_for(b, H, L)
+    # the splits' partial results (unused, one element each, without splits)
+    parts = b * H * splits if splits > 1 else 1
+    m = torch.empty(parts, dtype=torch.float32, device=k.device)
+    lsum = torch.empty(parts, dtype=torch.float32, device=k.device)
+    acc = torch.empty(parts * (block_d if splits > 1 else 1), dtype=torch.float32, device=k.device)
+    grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
     with _device(k):
         wrap_triton(_decode_attention_kernel)[grid](
-            q, k, v, out, pos, qk_scale, k.shape[2], window,
+            q, k, v, out, pos, m, lsum, acc, qk_scale, L, window, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
-            GROUP=H // k.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=BLOCK_N,
-            HAS_WINDOW=window > 0, num_warps=4)
+            GROUP=H // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+            HAS_WINDOW=window > 0, SPLITS=splits, num_warps=4)
+        if splits > 1:
+            combine_grid = lambda meta: (b, H)  # noqa: E731
+            wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
+                                                       HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits, num_warps=1)
     return out
 
 
