@@ -8,8 +8,8 @@ third of the memory bandwidth. Here one program per (row, query head) walks its 
 tiles of BLOCK_N with an online softmax (running max and sum, in float32) and reads nothing
 past the row's position, so short rows of a ragged batch cost only what they hold. Where rows x
 heads are too few programs to fill the GPU (batch 1: 12 for GPT-2), each row's keys are split
-among up to 16 programs (`splits_for`) whose partial results (max, sum, unnormalised output) a
-second small kernel combines.
+among 8 programs (`splits_for`; a split past the row's keys has nothing to do) whose partial
+results (max, sum, unnormalised output) a second small kernel combines.
 
 ``decode_attention(q, k, v, pos, window)``: q (b, H, 1, d), k and v (b, Hkv, L, d) (views of the
 cache buffers, unit stride in d), pos (b,) the position of each row's newest key (< L); query
@@ -127,15 +127,17 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor)
         raise ValueError(f"decode_attention: pos must be (b,) = ({b},), got {tuple(pos.shape)}")
 
 
-def splits_for(b: int, H: int, L: int, programs: int = 256, most: int = 16) -> int:
-    """How many programs share one (row, head)'s keys: 1 where b·H programs already fill the GPU,
-    else a power of two up to `most` that brings the launch near `programs` programs, and no more
-    than the window has tiles (each split takes whole tiles)."""
-    if b * H >= programs // 2:
-        return 1
-    want = triton.next_power_of_2(-(-programs // (b * H)))
-    tiles = triton.next_power_of_2(-(-L // BLOCK_N))
-    return max(1, min(most, want, tiles))
+# Where rows x heads are fewer than FEW_PROGRAMS programs, each row's keys are split among
+# SPLITS_WHEN_FEW programs. Fixed numbers, not a function of the batch: in the engine's compiled
+# step the batch is a symbolic size, and the one comparison below becomes one guard (two
+# compiled entries at most), where a count computed from it would need the batch's exact value.
+FEW_PROGRAMS = 128
+SPLITS_WHEN_FEW = 8
+
+
+def splits_for(b: int, H: int) -> int:
+    """How many programs share one (row, head)'s keys: 1 where the b·H programs fill the GPU."""
+    return 1 if b * H >= FEW_PROGRAMS else SPLITS_WHEN_FEW
 
 
 def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -148,7 +150,7 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
     qk_scale = math.log2(math.e) / math.sqrt(d)
     block_d = triton.next_power_of_2(d)
-    splits = splits_for(b, H, L)
+    splits = splits_for(b, H)
     # the splits' partial results (unused, one element each, without splits)
     parts = b * H * splits if splits > 1 else 1
     m = torch.empty(parts, dtype=torch.float32, device=k.device)
