@@ -73,13 +73,13 @@ def test_fused_head_compiles_the_trunk_and_needs_a_plain_strategy(compiled):
 
 
 def test_blocks_scope_compiles_one_block_call_and_leaves_the_model_plain(compiled):
-    from scratchlm.parallel.parallelize import _run_block
+    from scratchlm.model.transformer import run_block
 
     model = dist_workers.build("lm")
     cfg = replace(TrainerConfig(), compile=True, compile_scope="blocks", fused_lm_head=True)
     plain = type("PlainRecorder", (_Recorder,), {"supports_fused_lm_head": True})
     run = parallelize(model, cfg, plain(ParallelConfig(), device=torch.device("cpu")))
-    assert compiled[0] == (_run_block, "default") and model.block_runner == ("compiled", _run_block)
+    assert compiled[0] == (run_block, "default") and model.block_runner == ("compiled", run_block)
     assert run.model == ("wrapped", model)  # the module itself is not compiled
     assert run.head_inputs == model.head_inputs  # its trunk runs the compiled blocks
     with pytest.raises(ValueError, match="compile_scope must be 'model' or 'blocks'"):
@@ -91,7 +91,7 @@ def test_blocks_scope_compiles_one_block_call_and_leaves_the_model_plain(compile
 def test_blocks_scope_forward_and_backward_equal_the_plain_model_with_one_graph():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from scratchlm.parallel.parallelize import _run_block
+    from scratchlm.model.transformer import run_block
 
     torch.manual_seed(0)
     model = dist_workers.build("lm")
@@ -101,7 +101,7 @@ def test_blocks_scope_forward_and_backward_equal_the_plain_model_with_one_graph(
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     counter = CompileCounterWithBackend("aot_eager")
-    model.block_runner = torch.compile(_run_block, backend=counter)
+    model.block_runner = torch.compile(run_block, backend=counter)
     got = model(ids)
     got.float().pow(2).mean().backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

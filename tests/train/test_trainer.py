@@ -482,7 +482,7 @@ def test_blocks_compile_scope_trains_as_the_eager_model(cfg, tmp_path, monkeypat
     cfg = replace(cfg, trainer=replace(cfg.trainer, compile=True, compile_scope="blocks"))
     grads, trainer = _first_step_grads(cfg, tmp_path, monkeypatch, "blocks")
     assert trainer.model is trainer.raw_model and trainer.raw_model.block_runner is not None
-    assert [getattr(f, "__name__", "") for f in compiled_fns] == ["_run_block", "cross_entropy"]
+    assert [getattr(f, "__name__", "") for f in compiled_fns] == ["run_block", "cross_entropy"]
     expected = _reference_grads(cfg)
     for name in expected:
         torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)

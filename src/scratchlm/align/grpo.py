@@ -231,12 +231,8 @@ def _compiled_fn(name: str, fn, backend) -> Any:
     return _compiled[key]
 
 
-def _block_forward(block: torch.nn.Module, x: Tensor) -> Tensor:
-    return block(x)
-
-
-def _head_log_probs(model: torch.nn.Module, x: Tensor, labels: Tensor, return_token_entropy: bool) -> dict[str, Tensor]:
-    logits = model.lm_head(model.ln_final(x))
+def _head_log_probs(model: torch.nn.Module, h: Tensor, labels: Tensor, return_token_entropy: bool) -> dict[str, Tensor]:
+    logits = model.lm_head(h)
     out = {"log_probs": torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)}
     if return_token_entropy:
         with torch.no_grad():
@@ -245,30 +241,31 @@ def _head_log_probs(model: torch.nn.Module, x: Tensor, labels: Tensor, return_to
 
 
 def blockwise_compiled_log_probs(backend: Any = "inductor"):
-    """`response_log_probs` of a scratchlm `TransformerLM` with each block under one shared
-    `torch.compile` (dynamic shapes) and the final norm, head and log-softmax under another.
+    """`response_log_probs` of a scratchlm `TransformerLM` with its blocks run by one shared
+    `torch.compile` of a block call (the model's `block_runner`, for the call), its final norm
+    eager, and the head and log-softmax under another compile.
 
     The blocks of a model share their code, so one compiled graph serves every layer: the
     compilation costs about one block's, not the whole depth's: the first forward and backward
     of the 6-layer policy of docs/benchmarks/post_training.md took 12 s against 54 s on the CPU
     (on an H100 the whole-policy compile took 37 s of a 110 s GRPO run). Other models (Hugging
     Face) compile whole."""
-    from scratchlm.model.transformer import TransformerLM
+    from scratchlm.model.transformer import TransformerLM, run_block
 
     whole = _compiled_fn("whole", response_log_probs, backend)
-    block = _compiled_fn("block", _block_forward, backend)
+    block = _compiled_fn("block", run_block, backend)
     head = _compiled_fn("head", _head_log_probs, backend)
 
     def log_probs(model: torch.nn.Module, input_ids: Tensor, labels: Tensor,
                   return_token_entropy: bool = False) -> dict[str, Tensor]:
         if type(model) is not TransformerLM:
             return whole(model, input_ids, labels, return_token_entropy)
-        if input_ids.shape[-1] > model.context_length:  # the model's own error
-            return response_log_probs(model, input_ids, labels, return_token_entropy)
-        x = model.token_embeddings(input_ids)
-        for layer in model.layers:
-            x = block(layer, x)
-        return head(model, x, labels, return_token_entropy)
+        runner, model.block_runner = model.block_runner, block
+        try:
+            h = model.hidden_states(input_ids)
+        finally:
+            model.block_runner = runner
+        return head(model, h, labels, return_token_entropy)
 
     return log_probs
 

@@ -330,6 +330,12 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask))
 
 
+def run_block(block: nn.Module, x: Tensor) -> Tensor:
+    """One block's forward, as `TransformerLM.block_runner` calls it. Under one torch.compile it
+    serves every block of a model: they share their code, and their weights are the graph's inputs."""
+    return block(x)
+
+
 @torch.no_grad()
 def _zero_output_projections(block: TransformerBlock) -> None:
     """Zero the matrices that write a block's branches into the residual stream."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from scratchlm.errors import UserError
 from scratchlm.model.functional import cross_entropy
+from scratchlm.model.transformer import run_block
 
 if TYPE_CHECKING:
     from scratchlm.parallel.strategy import Strategy
@@ -57,7 +58,7 @@ def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Par
     if blockwise:
         if not hasattr(plain, "block_runner"):
             raise UserError(f"trainer.compile_scope='blocks' needs a scratchlm Transformer, not {type(plain).__name__}")
-        plain.block_runner = torch.compile(_run_block, mode=cfg.compile_mode)
+        plain.block_runner = torch.compile(run_block, mode=cfg.compile_mode)
     elif cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode)
     model = strategy.wrap_model(model)
@@ -68,9 +69,3 @@ def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Par
         head_inputs = torch.compile(trunk, mode=cfg.compile_mode) if cfg.compile and not blockwise else trunk
     cudagraphs = cfg.compile and cfg.compile_mode == "reduce-overhead" and strategy.device.type == "cuda"
     return Parallelized(model=model, loss_fn=loss_fn, head_inputs=head_inputs, cudagraphs=cudagraphs)
-
-
-def _run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """One block's forward: under `trainer.compile_scope="blocks"` its single compilation serves
-    every block (they share their code, and their weights are the graph's inputs)."""
-    return block(x)
