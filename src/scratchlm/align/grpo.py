@@ -248,9 +248,8 @@ def blockwise_compiled_log_probs(backend: Any = "inductor"):
     The blocks of a model share their code, so one compiled graph serves every layer: the
     compilation costs about one block's, not the whole depth's: the first forward and backward
     of the 6-layer policy of docs/benchmarks/post_training.md took 29 s against 65 s on the CPU,
-    each from an empty compile cache
-    (on an H100 the whole-policy compile took 37 s of a 110 s GRPO run). Other models (Hugging
-    Face) compile whole."""
+    each from an empty compile cache (on an H100 the whole-policy compile took 37 s of a 110 s
+    GRPO run). Other models (Hugging Face) compile whole."""
     from scratchlm.model.transformer import TransformerLM, run_block
 
     whole = _compiled_fn("whole", response_log_probs, backend)
