@@ -205,21 +205,16 @@ def timed_run(cmd: list[str], log_path: Path, *, mode: str, cache: Path, warm_cm
 
 def with_budget(cmd: list[str], budget_s: float, out: Path) -> list[str]:
     """`cmd` (either side's) with another time budget and output folder: its cache warm-up."""
-    swapped = []
-    skip = False
+    swapped = list(cmd)
     for i, arg in enumerate(cmd):
-        if skip:
-            skip = False
-            continue
         if arg.startswith("--trainer.time_budget_s="):
-            swapped.append(f"--trainer.time_budget_s={budget_s:g}")
+            swapped[i] = f"--trainer.time_budget_s={budget_s:g}"
         elif arg.startswith("--trainer.out_dir="):
-            swapped.append(f"--trainer.out_dir={out}")
-        elif arg in ("--time-budget-s", "--out") and i + 1 < len(cmd):
-            swapped += [arg, f"{budget_s:g}" if arg == "--time-budget-s" else str(out)]
-            skip = True
-        else:
-            swapped.append(arg)
+            swapped[i] = f"--trainer.out_dir={out}"
+        elif arg == "--time-budget-s" and i + 1 < len(cmd):
+            swapped[i + 1] = f"{budget_s:g}"
+        elif arg == "--out" and i + 1 < len(cmd):
+            swapped[i + 1] = str(out)
     return swapped
 
 
@@ -443,12 +438,13 @@ def main(argv=None) -> int:
         timed_run(cmd, log_path, mode=args.compile_cache, cache=out.parent / f"{out.name}.compile-cache",
                   warm_cmd=with_budget(cmd, 1.0, out.parent / f"{out.name}.warmup"))
 
-    stored = (stored_references(args.reference_json, budgets, shape=args.shape, vocab_size=data["vocab_size"])
-              if args.reference_json else None)
+    earlier = read_reference_json(args.reference_json) if args.reference_json else None
+    stored = (stored_references(earlier, args.reference_json, budgets, shape=args.shape,
+                                vocab_size=data["vocab_size"]) if earlier is not None else None)
     if stored is not None:
         results["reference_from"] = str(args.reference_json)
         args.sides = [side for side in args.sides if side != "reference"]
-        theirs = json.loads(args.reference_json.read_text()).get("compile_cache", "machine")
+        theirs = earlier.get("compile_cache", "machine")
         if theirs != args.compile_cache:
             print(f"note: the stored reference ran with --compile-cache {theirs}, this scratchlm side with "
                   f"{args.compile_cache}: their compilation times are not alike", flush=True)
@@ -470,9 +466,7 @@ def main(argv=None) -> int:
             results["ref_lr_sweep"] = {"budget_s": sweep_budget, "runs": sweep, "best_lr": best_lr}
             write_json(out_json, results)
 
-    ref_tokens = None
-    if stored is not None:
-        ref_tokens = json.loads(args.reference_json.read_text()).get("ref_tokens_run")
+    ref_tokens = earlier.get("ref_tokens_run") if earlier is not None else None
     if args.ref_tokens and "reference" in args.sides:
         steps = max(1, round(args.ref_tokens / (cfg.trainer.batch_size * cfg.model.context_length)))
         run = args.work / f"ref_tokens_{args.ref_tokens:g}"
@@ -521,16 +515,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def stored_references(path: Path, budgets: list[float], *, shape: str,
-                      vocab_size: int) -> dict[float, tuple[float, dict[str, Any]]]:
-    """{budget: (lr, reference result)} from an earlier speedrun JSON, for every budget asked;
-    SystemExit when the file cannot be read, was made at another shape or vocabulary, or lacks a
-    budget. (That it was made on the same token files is the caller's word: paths differ
-    between machines.)"""
+def read_reference_json(path: Path) -> dict[str, Any]:
+    """An earlier speedrun JSON (`--reference-json`); SystemExit when it cannot be read."""
     try:
-        earlier = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"speedrun: --reference-json {path}: {exc}") from None
+
+
+def stored_references(earlier: dict[str, Any], path: Path, budgets: list[float], *, shape: str,
+                      vocab_size: int) -> dict[float, tuple[float, dict[str, Any]]]:
+    """{budget: (lr, reference result)} from `earlier`, the speedrun JSON at `path`, for every
+    budget asked; SystemExit when it was made at another shape or vocabulary, or lacks a budget.
+    (That it was made on the same token files is the caller's word: paths differ between machines.)"""
     theirs = (earlier.get("shape"), earlier.get("data", {}).get("vocab_size"))
     if theirs != (shape, vocab_size):
         raise SystemExit(f"speedrun: --reference-json {path} is of shape {theirs[0]!r}, vocabulary {theirs[1]}; "
