@@ -67,11 +67,12 @@ def _graph_seconds(fn, repeats: int) -> float:
     return back_to_back(graph.replay, steps=10, repeats=repeats) / CALLS_PER_GRAPH
 
 
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _forced(backend, q, k, v, mask):
+    """The engine's attention with torch's SDPA backend `backend` forced."""
+    from torch.nn.attention import sdpa_kernel
 
-    return {"sdpa": None, "sdpa_cudnn": (sdpa_kernel, SDPBackend.CUDNN_ATTENTION),
-            "sdpa_efficient": (sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION)}
+    with sdpa_kernel(backend):
+        return grouped_sdpa(q, k, v, mask)
 
 
 def measure(name: str, b: int, L: int, ragged: bool, repeats: int) -> list[dict]:
@@ -79,13 +80,12 @@ def measure(name: str, b: int, L: int, ragged: bool, repeats: int) -> list[dict]
     q, k, v, pos, mask = _inputs(b, H, Hkv, d, L, ragged)
     useful = int((pos + 1).sum()) * Hkv * d * 2 * k.element_size()
     expected = grouped_sdpa(q, k, v, mask).float()
-    peers = {"triton": lambda: decode_attention(q, k, v, pos)}
-    for peer, forced in _sdpa_backends().items():
-        if forced is None:
-            peers[peer] = lambda: grouped_sdpa(q, k, v, mask)
-        else:
-            context, backend = forced
-            peers[peer] = lambda context=context, backend=backend: _forced(context, backend, q, k, v, mask)
+    from torch.nn.attention import SDPBackend
+
+    peers = {"triton": lambda: decode_attention(q, k, v, pos),
+             "sdpa": lambda: grouped_sdpa(q, k, v, mask),
+             "sdpa_cudnn": lambda: _forced(SDPBackend.CUDNN_ATTENTION, q, k, v, mask),
+             "sdpa_efficient": lambda: _forced(SDPBackend.EFFICIENT_ATTENTION, q, k, v, mask)}
     rows = []
     for peer, fn in peers.items():
         row = {"heads": name, "H": H, "Hkv": Hkv, "d": d, "batch": b, "L": L, "rows": "ragged" if ragged else "full",
@@ -104,11 +104,6 @@ def measure(name: str, b: int, L: int, ragged: bool, repeats: int) -> list[dict]
         if "us" in r and base:
             r["speedup_vs_sdpa"] = base / r["us"]
     return rows
-
-
-def _forced(context, backend, q, k, v, mask):
-    with context(backend):
-        return grouped_sdpa(q, k, v, mask)
 
 
 def build_parser() -> argparse.ArgumentParser:
