@@ -62,6 +62,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, encoding: str = "ut
     _fsync_directory(path.parent)
 
 
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename the directory ``path`` to its hidden sibling ``.NAME.TAG`` and return that path, to
+    be put back or deleted later. One left there by a process killed before it did either is the
+    older of the two and is deleted first."""
+    aside = path.with_name(f".{path.name}.{tag}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    path.rename(aside)
+    return aside
+
+
 def temporary_name(path: Path) -> Path:
     """A fresh hidden sibling of ``path`` to write before renaming over it (matches `TEMPORARY_GLOB`)."""
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")

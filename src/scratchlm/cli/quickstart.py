@@ -28,7 +28,7 @@ from typing import Any
 from scratchlm.config import load_config, split_overrides
 from scratchlm.data.corpus import EOT, build_corpus
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import move_aside, write_text_atomic
 
 DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if steps remain
 MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
@@ -44,12 +44,7 @@ def prepare_out_dir(out: Path) -> Path | None:
     """Create `out` afresh; a previous quickstart there is moved aside, to the returned path
     (None when there was none), for `keep_previous` or `drop_previous`; anything else is refused."""
     check_out_dir(out)
-    previous = None
-    if out.exists():
-        previous = out.with_name(f".{out.name}.previous")
-        if previous.exists():  # left by a run killed mid-build: the older one of the two
-            shutil.rmtree(previous)
-        out.rename(previous)
+    previous = move_aside(out, "previous") if out.exists() else None
     out.mkdir(parents=True)
     write_text_atomic(out / MARKER, "{}\n")
     return previous

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import UserError
-from scratchlm.fileio import copy_tree_atomic
+from scratchlm.fileio import copy_tree_atomic, move_aside
 
 _RUN_MARKERS = ("config.toml", "metrics.jsonl", "checkpoints")
 # What only a run that started writes: config.toml alone is too common a name to delete a folder for.
@@ -60,11 +60,6 @@ class PendingRunDir:
             self.replaced = None
 
 
-def _aside(path: Path) -> Path:
-    """Where `begin_run_dir` moves a run that `--overwrite` replaces until the new one starts."""
-    return path.with_name(f".{path.name}.replaced")
-
-
 def begin_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> PendingRunDir:
     """Create or reuse `path` as a run directory, following the rules above; a run that
     `overwrite` replaces is moved aside (see `PendingRunDir`), not deleted yet."""
@@ -82,10 +77,7 @@ def begin_run_dir(path: str | Path, *, resume: bool, overwrite: bool) -> Pending
                                 f"(it has no {' or '.join(_STARTED_RUN_MARKERS)})")
             if Path.cwd().resolve().is_relative_to(path.resolve()):
                 raise UserError(f"--overwrite refuses to delete {path}: it holds the current directory")
-            replaced = _aside(path)
-            if replaced.exists():  # left by an invocation killed before its run started: the older run
-                shutil.rmtree(replaced)
-            path.rename(replaced)
+            replaced = move_aside(path, "replaced")  # until the new run starts
         elif not resume:
             raise UserError(
                 f"run directory {path} already exists; pass --resume to continue it "
