@@ -250,7 +250,7 @@ def blockwise_compiled_log_probs(backend: Any = "inductor"):
     of the 6-layer policy of docs/benchmarks/post_training.md took 29 s against 65 s on the CPU,
     each from an empty compile cache (on an H100 the whole-policy compile took 37 s of a 110 s
     GRPO run). Other models (Hugging Face) compile whole."""
-    from scratchlm.model.transformer import TransformerLM, run_block
+    from scratchlm.model.transformer import TransformerLM, blocks_run_by, run_block
 
     whole = _compiled_fn("whole", response_log_probs, backend)
     block = _compiled_fn("block", run_block, backend)
@@ -260,11 +260,8 @@ def blockwise_compiled_log_probs(backend: Any = "inductor"):
                   return_token_entropy: bool = False) -> dict[str, Tensor]:
         if type(model) is not TransformerLM:
             return whole(model, input_ids, labels, return_token_entropy)
-        runner, model.block_runner = model.block_runner, block
-        try:
+        with blocks_run_by(model, block):
             h = model.hidden_states(input_ids)
-        finally:
-            model.block_runner = runner
         return head(model, h, labels, return_token_entropy)
 
     return log_probs

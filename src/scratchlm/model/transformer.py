@@ -47,8 +47,9 @@ state_dict (default keys are listed in DESIGN.md):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -328,6 +329,17 @@ class TransformerLM(nn.Module):
     ) -> Tensor:
         """Logits (B, T, vocab_size); arguments as in `hidden_states`."""
         return self.lm_head(self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask))
+
+
+@contextlib.contextmanager
+def blocks_run_by(model: TransformerLM, runner: Callable[[nn.Module, Tensor], Tensor] | None) -> Iterator[TransformerLM]:
+    """Inside the ``with`` block `model`'s blocks run through `runner` (None: plain calls), as
+    its `block_runner`; the runner it had comes back after."""
+    saved, model.block_runner = model.block_runner, runner
+    try:
+        yield model
+    finally:
+        model.block_runner = saved
 
 
 def run_block(block: nn.Module, x: Tensor) -> Tensor:

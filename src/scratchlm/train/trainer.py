@@ -72,6 +72,7 @@ from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
 from scratchlm.model.moe import moe_aux_loss, moe_layers, moe_record, moe_stats
+from scratchlm.model.transformer import blocks_run_by
 from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
@@ -453,21 +454,19 @@ class Trainer:
         # module gives the same loss without compiling a no_grad graph.
         eager = self.strategy.eval_plain_model and not self.cfg.trainer.compile_eval
         model = self.raw_model if eager else self.model
-        runner = getattr(self.raw_model, "block_runner", None)
-        if eager and runner is not None:  # compile_scope="blocks": the plain blocks, not their compiled call
-            self.raw_model.block_runner = None
+        # compile_scope="blocks": the eager evaluation runs the plain blocks, not their compiled call
+        blocks = (blocks_run_by(self.raw_model, None) if eager and hasattr(self.raw_model, "block_runner")
+                  else contextlib.nullcontext())
         model.eval()
         try:
             # A fixed set of windows (eval_batches global batches), so the loss does not depend on
             # the micro-batch size or the number of ranks; ranks add up their token sums.
             tc = self.cfg.trainer
             windows = None if final and tc.final_eval_full else tc.eval_batches * tc.batch_size
-            with self._autocast():
+            with blocks, self._autocast():
                 total, count = evaluation_totals(model, self.data.eval_batches(windows, self.device))
         finally:
             model.train()
-            if runner is not None:
-                self.raw_model.block_runner = runner
         total, count = self.strategy.all_reduce_means([total, float(count)])
         if count == 0:
             raise UserError("the validation set yields no batch; is data.val_path shorter than one context?")
