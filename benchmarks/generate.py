@@ -148,6 +148,10 @@ def _hf_generate(hf, prompts, new_tokens, *, static=False, sample=False, stop_id
 _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), kept across the timed runs
 
 
+# Inductor turning the tiny matmuls of a batch-1 step into reductions it can fuse with their
+# neighbours (RMSNorm before, residual add after), its kernels tuned by coordinate descent
+GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
+
 def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), **engine_options):
     """Decoding by a compiled, captured engine built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
@@ -269,16 +273,18 @@ def main(argv: list[str] | None = None) -> int:
         # the same compiled engine with q, k, v and w1, w3 as separate matmuls: what stacking gives
         "scratchlm_engine_graphs_compile_unstacked": lambda: _variant("unstacked", model, prompt, n,
                                                                       stack_projections=False),
-        # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
-        "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
-                                                                     compile_mode="max-autotune-no-cudagraphs"),
-        # Inductor turning the tiny matmuls into reductions it can fuse with their neighbours
-        # (RMSNorm before, residual add after), its kernels tuned by coordinate descent
-        "scratchlm_engine_graphs_compile_gemv": lambda: _variant("gemv", model, prompt, n, inductor_options={
-            "decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}),
+        # the matmuls as fusable reductions (GEMV_OPTIONS)
+        "scratchlm_engine_graphs_compile_gemv": lambda: _variant("gemv", model, prompt, n, inductor_options=GEMV_OPTIONS),
         # decode attention by the Triton kernel that reads each row's own keys only
         "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant("triton_attention", model, prompt, n,
                                                                              decode_attention="triton"),
+        # both of the above
+        "scratchlm_engine_graphs_compile_gemv_triton_attention": lambda: _variant(
+            "gemv_triton_attention", model, prompt, n, decode_attention="triton",
+            inductor_options=GEMV_OPTIONS),
+        # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
+        "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
+                                                                     compile_mode="max-autotune-no-cudagraphs"),
     }
     results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")

@@ -39,11 +39,12 @@ BLOCK_N = 64  # keys a tile
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, O, POS, M, LSUM, ACC, qk_scale, L, window, num_heads,
+    def _decode_attention_kernel(Q, K, V, O, POS, M, LSUM, ACC, L, window, num_heads,
                                  stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
+                                 QK_SCALE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         kv_head = head // GROUP
@@ -60,7 +61,7 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         q = tl.load(Q + row * stride_qb + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-        q = q * qk_scale  # scale and log2(e) folded in: the softmax runs in base 2
+        q = q * QK_SCALE  # scale and log2(e) folded in: the softmax runs in base 2
         k_base = K + row * stride_kb + kv_head * stride_kh
         v_base = V + row * stride_vb + kv_head * stride_vh
         m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
@@ -159,11 +160,11 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
     with _device(k):
         wrap_triton(_decode_attention_kernel)[grid](
-            q, k, v, out, pos, m, lsum, acc, qk_scale, L, window, H,
+            q, k, v, out, pos, m, lsum, acc, L, window, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
             GROUP=H // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-            HAS_WINDOW=window > 0, SPLITS=splits, num_warps=4)
+            HAS_WINDOW=window > 0, SPLITS=splits, QK_SCALE=qk_scale, num_warps=4)
         if splits > 1:
             combine_grid = lambda meta: (b, H)  # noqa: E731
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
