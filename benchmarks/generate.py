@@ -275,13 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                       stack_projections=False),
         # the matmuls as fusable reductions (GEMV_OPTIONS)
         "scratchlm_engine_graphs_compile_gemv": lambda: _variant("gemv", model, prompt, n, inductor_options=GEMV_OPTIONS),
-        # decode attention by the Triton kernel that reads each row's own keys only
-        "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant("triton_attention", model, prompt, n,
-                                                                             decode_attention="triton"),
-        # both of the above
-        "scratchlm_engine_graphs_compile_gemv_triton_attention": lambda: _variant(
-            "gemv_triton_attention", model, prompt, n, decode_attention="triton",
-            inductor_options=GEMV_OPTIONS),
+        # decode attention by torch's fused kernel over the masked window, where the engine's
+        # default (`default_decode_attention`) is the Triton kernel that reads each row's keys only
+        "scratchlm_engine_graphs_compile_sdpa_attention": lambda: _variant("sdpa_attention", model, prompt, n,
+                                                                           decode_attention="sdpa"),
         # Inductor's autotuned matmul templates (epilogues fused) instead of cuBLAS where they win
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
@@ -318,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             "hf_generate_dynamic": lambda: _hf_generate(hf, prompts, m, sample=True, stop_ids=stop_ids),
             "scratchlm_engine_graphs_compile": lambda: generate(model, prompts, m, temperature=1.0, eos_id=stop_ids,
                                                                 seed=0, compile=True),
-            "scratchlm_engine_graphs_compile_triton_attention": lambda: _variant(
-                f"triton_attention_x{B}", model, prompts, m, stop_ids=stop_ids, decode_attention="triton"),
+            "scratchlm_engine_graphs_compile_sdpa_attention": lambda: _variant(
+                f"sdpa_attention_x{B}", model, prompts, m, stop_ids=stop_ids, decode_attention="sdpa"),
         }
         timed = _time_peers(impls, args.rollout_repeats, args.skip, lambda out: sum(len(o) for o in out),
                             f" rollouts x{B}")

@@ -6,7 +6,7 @@ path (fused attention over a mask built from each row's position)."""
 import pytest
 import torch
 
-from scratchlm.infer.engine import DecodeEngine
+from scratchlm.infer.engine import DecodeEngine, default_decode_attention
 from tests.infer.cuda_models import peaked_cuda_lm
 from tests.infer.test_engine_prefill import _model
 
@@ -20,12 +20,14 @@ def test_triton_decode_attention_generates_as_sdpa(kw):
     prompts = [torch.randint(1, 50, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (7,), generator=g)]
     budgets = [12, 3, 25, 9, 1, 17, 30]
     with torch.inference_mode():
-        expected = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2).run(prompts, budgets, temperature=0)
+        expected = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2, decode_attention="sdpa").run(
+            prompts, budgets, temperature=0)
         engine = DecodeEngine(m, 3, 64, len_bucket=16, check_every=2, decode_attention="triton")
         assert engine.cache.decode_attention == "triton"
         assert engine.run(prompts, budgets, temperature=0) == expected
         logits = []
-        for e in (DecodeEngine(m, 3, 64, len_bucket=16), DecodeEngine(m, 3, 64, len_bucket=16, decode_attention="triton")):
+        for e in (DecodeEngine(m, 3, 64, len_bucket=16, decode_attention="sdpa"),
+                  DecodeEngine(m, 3, 64, len_bucket=16, decode_attention="triton")):
             e._refresh_projections()
             e._prefill([0, 1, 2], prompts[:3])
             e.lens[:3] = torch.tensor([len(p) for p in prompts[:3]])
@@ -35,8 +37,22 @@ def test_triton_decode_attention_generates_as_sdpa(kw):
 
 
 def test_decode_attention_choice_is_checked():
-    with pytest.raises(ValueError, match="decode_attention must be 'sdpa' or 'triton'"):
+    with pytest.raises(ValueError, match="decode_attention must be 'sdpa', 'triton' or 'auto'"):
         DecodeEngine(_model(), 2, 16, decode_attention="flash")
+
+
+def test_auto_picks_the_kernel_on_cuda_for_multi_head_attention_only(monkeypatch):
+    import scratchlm.kernels.triton_support as support
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    mha, gqa = _model(), _model(num_kv_heads=2)
+    assert DecodeEngine(mha, 2, 16).cache.decode_attention == "sdpa"  # on the CPU, interpreter or not
+    monkeypatch.setattr(support, "triton_available", lambda: True)
+    assert default_decode_attention(mha, cuda) == "triton"
+    assert default_decode_attention(gqa, cuda) == "sdpa"
+    assert default_decode_attention(mha, cpu) == "sdpa"
+    monkeypatch.setattr(support, "triton_available", lambda: False)
+    assert default_decode_attention(mha, cuda) == "sdpa"
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ CASES = [  # (b, H, Hkv, max_len, L, d, window)
     (1, 2, 1, 200, 200, 16, 9),  # batch 1: split among programs, three of four with no keys in the window
     (32, 4, 2, 40, 33, 16, 0),  # rows x heads enough programs: no split
     (40, 4, 4, 70, 64, 8, 9),
+    (33, 4, 4, 600, 520, 8, 0),  # a few hundred programs over long rows: split in four
 ]
 
 
@@ -90,9 +91,12 @@ def test_decode_attention_on_cuda():
     _check("cuda", torch.float32, 1e-4)
 
 
-def test_keys_are_split_only_where_rows_times_heads_are_few():
+def test_keys_are_split_only_where_programs_are_few():
     from scratchlm.kernels import decode_attention_triton as mod
 
     assert mod.splits_for(64, 12) == 1  # 768 programs
     assert mod.splits_for(1, 12) == mod.SPLITS_WHEN_FEW > 1
     assert mod.splits_for(10, 12) > 1 and mod.splits_for(11, 12) == 1
+    # a few hundred programs: split only where rows may be long (by the window, when it is shorter)
+    assert mod.splits_for(8, 32, 1024) == mod.SPLITS_WHEN_LONG > 1
+    assert mod.splits_for(8, 32, 256) == 1 and mod.splits_for(16, 32, 1024) == 1

@@ -92,6 +92,23 @@ def _recompile_limits(at_least: int) -> dict[str, int]:
     return {name: max(getattr(config, name), at_least) for name in names}
 
 
+def default_decode_attention(model: nn.Module, device: torch.device) -> str:
+    """The decode attention an engine uses unless told: "triton" on CUDA for a model whose query
+    heads each have their own key/value head, "sdpa" otherwise.
+
+    Measured on an H100 (docs/benchmarks/decode_attention.md), the Triton kernel is 1.1-2.3x
+    torch's fused attention for multi-head attention wherever rows hold different numbers of
+    keys (rollouts) and at batch 1-8, and 0.90-0.99x where a large batch of full rows reads the
+    whole window; with grouped-query attention it loses from batch 8 on (each query head reads
+    its kv head's keys again).
+    """
+    from scratchlm.kernels.triton_support import triton_available
+
+    attn = model.layers[0].attn
+    grouped = getattr(attn, "num_kv_heads", attn.num_heads) != attn.num_heads
+    return "triton" if device.type == "cuda" and triton_available() and not grouped else "sdpa"
+
+
 class DecodeEngine:
     """Batched generation over `slots` rows with a static cache of `max_len` positions per row.
 
@@ -101,8 +118,9 @@ class DecodeEngine:
     with `inductor_options` (``torch._inductor.config`` settings in effect while they compile, e.g.
     {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True});
     `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `decode_attention`: "sdpa"
-    (torch's fused attention over the step's window, masked) or "triton" (a kernel that reads
-    each row's keys up to its own position: `scratchlm.kernels.decode_attention_triton`).
+    (torch's fused attention over the step's window, masked), "triton" (a kernel that reads
+    each row's keys up to its own position: `scratchlm.kernels.decode_attention_triton`) or
+    "auto" (the default: `default_decode_attention`).
     `stack_projections` (default) keeps each layer's q|k|v and w1|w3 weights as one matrix each,
     refreshed from the model at every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a
     step, for a copy of those weights in memory (in the autocast dtype under autocast), made only
@@ -116,11 +134,11 @@ class DecodeEngine:
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "sdpa") -> None:
+                 decode_attention: str = "auto") -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
-        if decode_attention not in ("sdpa", "triton"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'triton', got {decode_attention!r}")
+        if decode_attention not in ("sdpa", "triton", "auto"):
+            raise ValueError(f"decode_attention must be 'sdpa', 'triton' or 'auto', got {decode_attention!r}")
         self.compile_mode = compile_mode
         self.inductor_options = dict(inductor_options or {})
         unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
@@ -135,6 +153,8 @@ class DecodeEngine:
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self.cache = StaticKVCache.for_model(model, slots, max_len, device=self.device)
+        if decode_attention == "auto":
+            decode_attention = default_decode_attention(model, self.device)
         self.cache.decode_attention = decode_attention
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)

@@ -8,8 +8,9 @@ third of the memory bandwidth. Here one program per (row, query head) walks its 
 tiles of BLOCK_N with an online softmax (running max and sum, in float32) and reads nothing
 past the row's position, so short rows of a ragged batch cost only what they hold. Where rows x
 heads are too few programs to fill the GPU (batch 1: 12 for GPT-2), each row's keys are split
-among 8 programs (`splits_for`; a split past the row's keys has nothing to do) whose partial
-results (max, sum, unnormalised output) a second small kernel combines.
+among 8 programs, and where they are a few hundred with long rows, among 4 (`splits_for`; a
+split past the row's keys has nothing to do); a second small kernel combines the splits'
+partial results (max, sum, unnormalised output).
 
 ``decode_attention(q, k, v, pos, window)``: q (b, H, 1, d), k and v (b, Hkv, L, d) (views of the
 cache buffers, unit stride in d), pos (b,) the position of each row's newest key (< L); query
@@ -129,16 +130,27 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor)
 
 
 # Where rows x heads are fewer than FEW_PROGRAMS programs, each row's keys are split among
-# SPLITS_WHEN_FEW programs. Fixed numbers, not a function of the batch: in the engine's compiled
-# step the batch is a symbolic size, and the one comparison below becomes one guard (two
-# compiled entries at most), where a count computed from it would need the batch's exact value.
+# SPLITS_WHEN_FEW programs; where they are fewer than SOME_PROGRAMS and each row may hold
+# LONG_ROW keys or more, among SPLITS_WHEN_LONG (on an H100, 256 programs walking 1,024 keys
+# each took 0.73x SDPA's time: docs/benchmarks/decode_attention.md). Fixed numbers, not a
+# function of the batch: in the engine's compiled step the batch and the window are symbolic
+# sizes, and each comparison below becomes one guard (a few compiled entries at most), where a
+# count computed from them would need their exact values.
 FEW_PROGRAMS = 128
 SPLITS_WHEN_FEW = 8
+SOME_PROGRAMS = 512
+LONG_ROW = 512
+SPLITS_WHEN_LONG = 4
 
 
-def splits_for(b: int, H: int) -> int:
-    """How many programs share one (row, head)'s keys: 1 where the b·H programs fill the GPU."""
-    return 1 if b * H >= FEW_PROGRAMS else SPLITS_WHEN_FEW
+def splits_for(b: int, H: int, keys: int = 0) -> int:
+    """How many programs share one (row, head)'s at most `keys` keys: 1 where the b·H programs
+    fill the GPU and each walks few enough keys."""
+    if b * H < FEW_PROGRAMS:
+        return SPLITS_WHEN_FEW
+    if b * H < SOME_PROGRAMS and keys >= LONG_ROW:
+        return SPLITS_WHEN_LONG
+    return 1
 
 
 def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -151,7 +163,7 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
     qk_scale = math.log2(math.e) / math.sqrt(d)
     block_d = triton.next_power_of_2(d)
-    splits = splits_for(b, H)
+    splits = splits_for(b, H, L if window <= 0 else min(L, window))
     # the splits' partial results (unused, one element each, without splits)
     parts = b * H * splits if splits > 1 else 1
     m = torch.empty(parts, dtype=torch.float32, device=k.device)
