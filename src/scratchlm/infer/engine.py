@@ -99,8 +99,9 @@ def default_decode_attention(model: nn.Module, device: torch.device) -> str:
     Measured on an H100 (docs/benchmarks/decode_attention.md), the Triton kernel is 1.1-2.3x
     torch's fused attention for multi-head attention wherever rows hold different numbers of
     keys (rollouts) and at batch 1-8, and 0.90-0.99x where a large batch of full rows reads the
-    whole window; with grouped-query attention it loses from batch 8 on (each query head reads
-    its kv head's keys again).
+    whole window. With grouped-query attention it lost from batch 8 on, when each query head
+    read its kv head's keys again; the grouped kernel that reads them once per kv head is not
+    measured yet, so grouped models keep torch's fused attention.
     """
     from scratchlm.kernels.triton_support import triton_available
 
