@@ -38,7 +38,9 @@ def _step_every_bucket(engine, counter):
     for b in batch_buckets(slots):
         for L in lengths:
             args = (engine.tokens[:b], engine.lens[:b], L)
-            torch.testing.assert_close(engine._forward(*args), engine._decode_logits(*args), rtol=0, atol=0)
+            logits, argmax = engine._forward(*args)
+            torch.testing.assert_close(logits, engine._decode_logits(*args), rtol=0, atol=0)
+            assert torch.equal(argmax, logits.argmax(dim=-1))
 
 
 def test_engines_compile_their_own_steps(model):

@@ -165,7 +165,7 @@ class DecodeEngine:
         if self.head is not None:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
-        self._forward = self._decode_logits
+        self._forward = self._decode_eager  # the step's (logits, argmax or None)
         self._prefill_forward = self._prefill_logits
         self._prefill_compiled_ran = False  # whether the compiled prefill has run once (`_prefill_call`)
         self.prefill_bucket = 1  # prefill widths are rounded up to a multiple of this
@@ -197,8 +197,17 @@ class DecodeEngine:
         view = DecodeView(self.cache, pos, L)
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
 
+    def _decode_eager(self, tokens: Tensor, pos: Tensor, L: int) -> tuple[Tensor, None]:
+        return self._decode_logits(tokens, pos, L), None  # a greedy step takes the argmax itself
+
+    def _decode_next(self, tokens: Tensor, pos: Tensor, L: int) -> tuple[Tensor, Tensor]:
+        """The step's logits (b, V) and their argmax (b,): compiled, the argmax is one fused
+        reduction instead of eager kernels after the graph's matmuls (unused by a sampled step)."""
+        logits = self._decode_logits(tokens, pos, L)
+        return logits, logits.argmax(dim=-1)
+
     def _compiled_step(self, backend="inductor"):
-        """`_decode_logits` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
+        """`_decode_next` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
 
         With dynamic shapes one engine needs few entries: one for b == 1 (sizes 0 and 1 are
         always specialised) and one for every other b; the cache buffers are one position longer
@@ -209,7 +218,7 @@ class DecodeEngine:
         `backend`: torch.compile's (tests pass a counter).
         """
         buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
-        return self._own_compiled(DecodeEngine._decode_logits, buckets, backend)
+        return self._own_compiled(DecodeEngine._decode_next, buckets, backend)
 
     def _own_compiled(self, fn, limit: int, backend):
         """`fn` (a method of the engine) under `torch.compile(dynamic=True)`, bound to this engine
@@ -261,10 +270,10 @@ class DecodeEngine:
 
     def _step_body(self, b: int, L: int, greedy: bool) -> Tensor:
         pos = self.lens[:b].clamp(max=self.max_len - 1)  # finished rows may run past their end
-        logits = self._forward(self.tokens[:b], pos, L)
+        logits, argmax = self._forward(self.tokens[:b], pos, L)
         self.lens[:b] = pos + 1
         if greedy:
-            self._record(logits.argmax(dim=-1), b)
+            self._record(logits.argmax(dim=-1) if argmax is None else argmax, b)
         return logits
 
     def _state(self) -> list[Tensor]:
