@@ -28,7 +28,8 @@ embeddings). Two workloads:
 Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after one warm-up
 run (which also compiles and captures).
 --profile PREFIX writes, for batch 1 and 64, what one captured decode step spends its time on (kernels,
-GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt.
+GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt, and for batch 1 with GEMV_OPTIONS to
+PREFIX_b1_gemv.txt.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def _agreement(a, b) -> float:
     return same / max(total, 1)
 
 
-def _profile(model, prompts, steps: int, path: str, compile: bool) -> dict:
+def _profile(model, prompts, steps: int, path: str, compile: bool, **engine_options) -> dict:
     """What one captured decode step spends its time on, at batch len(prompts), window 256.
 
     The step is the one `generate` replays (CUDA graph, after torch.compile when `compile`).
@@ -196,7 +197,7 @@ def _profile(model, prompts, steps: int, path: str, compile: bool) -> dict:
     from scratchlm.infer.engine import DecodeEngine
 
     B = len(prompts)
-    engine = DecodeEngine(model, B, 512, compile=compile)
+    engine = DecodeEngine(model, B, 512, compile=compile, **engine_options)
     with torch.inference_mode():
         engine.run(prompts, [300] * B, temperature=0)  # compiles and captures the steps it takes
         for _ in range(3):
@@ -298,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         })
     save()
     if args.profile:  # before the rollouts: short, and it reuses the batch-1 compilation
-        for B in (1, 64):
-            rows.append({"model": args.model, "workload": "profile",
-                         **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}.txt", compile=True)})
+        for B, name, options in ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}), (64, "", {})):
+            rows.append({"model": args.model, "workload": "profile", "engine": name.strip("_") or "default",
+                         **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}{name}.txt", compile=True,
+                                    **options)})
         save()
 
     for B in args.rollout_batch:
