@@ -244,3 +244,28 @@ def test_spawned_workers_reload_the_tokenizer_from_its_directory(tokenizer, toke
     src.write_text(text, encoding="utf-8")
     encode_corpus(src, tokenizer_dir, tmp_path / "c.bin", num_workers=2, chunk_bytes=2000, progress=False)
     np.testing.assert_array_equal(read_bin(tmp_path / "c.bin"), tokenizer.encode(text))
+
+
+def test_refuses_to_replace_a_file_that_is_not_a_token_file(tokenizer, tmp_path):
+    src = tmp_path / "c.txt"
+    src.write_text("hello world", encoding="utf-8")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes", encoding="utf-8")
+    with pytest.raises(UserError, match="is not a token file"):
+        encode_corpus(src, tokenizer, notes, progress=False)
+    assert notes.read_text(encoding="utf-8") == "my notes" and not (tmp_path / "notes.json").exists()
+    config = tmp_path / "settings.json"
+    config.write_text('{"lr": 3}', encoding="utf-8")
+    with pytest.raises(UserError, match="is not the sidecar of a token file"):
+        encode_corpus(src, tokenizer, tmp_path / "settings.bin", progress=False)
+    assert config.read_text(encoding="utf-8") == '{"lr": 3}' and not (tmp_path / "settings.bin").exists()
+    # A token file is replaced, as is one whose rerun failed on bad input (its sidecar is put back).
+    out = tmp_path / "c.bin"
+    encode_corpus(src, tokenizer, out, progress=False)
+    src.write_bytes(b"hello \xff")
+    with pytest.raises(UserError, match="not valid UTF-8"):
+        encode_corpus(src, tokenizer, out, progress=False)
+    np.testing.assert_array_equal(read_bin(out), tokenizer.encode("hello world"))
+    assert json.loads(out.with_suffix(".json").read_text())["num_tokens"] == len(tokenizer.encode("hello world"))
+    encode_corpus(src, tokenizer, out, errors="replace", progress=False)
+    np.testing.assert_array_equal(read_bin(out), tokenizer.encode("hello \ufffd"))

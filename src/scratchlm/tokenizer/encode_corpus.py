@@ -26,8 +26,11 @@ Design decisions:
   stopped by a signal or a dead worker keeps these files for that resume (the error says so);
   a run that fails on input that is not UTF-8 removes them, since the same call would only
   fail again (and ``errors="replace"`` makes a different plan). Only
-  after the rename to ``OUT.bin`` is the sidecar written (old sidecars are removed first), so a
-  token file with a sidecar is always complete, and ``open_tokens`` checks the size against it.
+  after the rename to ``OUT.bin`` is the sidecar written (old sidecars are removed first, and
+  put back when the input turns out not to be UTF-8), so a token file with a sidecar is always
+  complete, and ``open_tokens`` checks the size against it. Only a token file is replaced: an
+  ``OUT.bin`` with neither a sidecar nor resume state beside it, or an ``OUT.json`` that is not
+  a sidecar, is some other file, and a ``UserError``.
 * **UTF-8.** Input must be UTF-8 (``errors="strict"``, the default: a bad byte raises a
   ``UserError`` naming its offset and both spellings of the fix, ``--errors replace`` for the
   command line and ``errors="replace"`` for Python); ``errors="replace"`` encodes invalid bytes
@@ -53,7 +56,7 @@ from typing import Any
 import numpy as np
 import regex
 
-from scratchlm.data.token_file import sidecar_path, token_dtype
+from scratchlm.data.token_file import read_sidecar, sidecar_path, token_dtype
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
 from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
@@ -122,14 +125,19 @@ def encode_corpus(
         raise UserError(f"chunk_bytes must be positive, not {chunk_bytes}")
 
     dtype = token_dtype(int(tokenizer.vocab_size))
-    # A sidecar is the mark of a complete token file: remove the old one before touching tokens.
-    files.sidecar.unlink(missing_ok=True)
+    _check_replaceable(files)
     plan, state = _start_or_resume(files, source, stat, tokenizer, dtype, errors, chunk_bytes)
+    # A sidecar is the mark of a complete token file: remove the old one before touching tokens
+    # (once the resume state exists, so an OUT.bin without either is never one of ours).
+    old_sidecar = files.sidecar.read_text(encoding="utf-8") if files.sidecar.is_file() else None
+    files.sidecar.unlink(missing_ok=True)
     t0 = time.perf_counter()
     try:
         encoded_bytes = _encode_parts(plan, state, files, tokenizer, tokenizer_arg, workers, progress)
     except _InvalidInput:
         files.discard()
+        if old_sidecar is not None:  # the previous token file was not replaced: it is complete again
+            write_text_atomic(files.sidecar, old_sidecar)
         raise
     except BrokenProcessPool:
         raise UserError(f"an encoding worker died (out of memory? try fewer --workers); the chunks "
@@ -275,6 +283,25 @@ def _check_output(path: Path, source: Path) -> Path:
     elif not path.parent.is_dir():
         raise UserError(f"output folder is not a directory: {path.parent}")
     return path.resolve()
+
+
+def _check_replaceable(files: _OutputFiles) -> None:
+    """Refuse to replace anything but a token file and its sidecar, or what an interrupted run left."""
+    if files.sidecar.exists() and not _is_sidecar(files.out):
+        raise UserError(f"{files.sidecar} exists and is not the sidecar of a token file; encoding to "
+                        f"{files.out} would replace it: choose another output path")
+    leftovers = files.partial.exists() or files.parts_dir.exists()
+    if files.out.exists() and not files.sidecar.exists() and not leftovers:
+        raise UserError(f"output {files.out} exists and is not a token file (it has no sidecar "
+                        f"{files.sidecar.name}); remove it or choose another output path")
+
+
+def _is_sidecar(out: Path) -> bool:
+    try:
+        meta = read_sidecar(out)
+    except UserError:
+        return False
+    return meta is not None and "num_tokens" in meta and "tokenizer_hash" in meta
 
 
 def _resolve_tokenizer(tokenizer_or_dir: Any) -> tuple[Any, Any]:
