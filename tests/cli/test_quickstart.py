@@ -65,6 +65,17 @@ def test_bad_numbers_are_refused_before_anything_is_written(tmp_path, flags, mes
 
 
 
+def test_a_token_file_as_the_data_is_refused_before_anything_is_written(tmp_path):
+    import numpy as np
+
+    np.arange(1000, dtype="<u2").tofile(tmp_path / "train.bin")
+    (tmp_path / "train.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 1000,
+                                                     "tokenizer_hash": "abc", "num_tokens": 1000}))
+    with pytest.raises(UserError, match="is a token file"):
+        qs.quickstart_command(["--data", str(tmp_path / "train.bin"), "--out", str(tmp_path / "qs"), "--steps", "1"])
+    assert not (tmp_path / "qs").exists()
+
+
 def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
     out = tmp_path / "qs"
     qs.prepare_out_dir(out)

@@ -149,3 +149,19 @@ def test_tokenizer_stats_refuses_a_token_file_as_its_sample(corpus, tmp_path, ca
     assert "binary data (NUL bytes), not a text sample" in capsys.readouterr().err
     (tmp_path / "stories.json").write_text(tokens.with_suffix(".json").read_text())
     assert main(["tokenizer-stats", str(tok), str(corpus)]) == 0  # a text file beside a sidecar of its name
+
+
+def test_train_bpe_and_encode_refuse_a_token_file_as_their_text(corpus, tmp_path, capsys):
+    # A token file read as text trained a tokenizer on its bytes (or encoded them) without a word.
+    tok = tmp_path / "tok"
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(tok), "--quiet"]) == 0
+    tokens = tmp_path / "stories.bin"
+    assert main(["encode", str(corpus), "--tokenizer", str(tok), "--out", str(tokens), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train-bpe", str(tokens), "--vocab-size", "300", "--out", str(tmp_path / "tok2"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "stories.bin is a token file (written by `scratchlm encode`), not text" in err and "\n" not in err
+    assert not (tmp_path / "tok2").exists()
+    assert main(["encode", str(tokens), "--tokenizer", str(tok), "--out", str(tmp_path / "again.bin")]) == 2
+    assert "input is a token file" in capsys.readouterr().err
+    assert not (tmp_path / "again.bin").exists()

@@ -106,3 +106,16 @@ def test_a_sidecar_field_of_the_wrong_type_is_named(tmp_path, field, value, mess
     path.with_suffix(".json").write_text(json.dumps({**meta, field: value}))
     with pytest.raises(UserError, match=f"t.json: {message}" if field != "dtype" else message):
         token_file.open_checked(path, vocab_size=100, tokenizer_hash="a" * 64)
+
+
+def test_is_token_file_needs_a_sidecar_that_counts_its_tokens(tmp_path):
+    tokens = write(tmp_path / "t.bin", np.arange(10), tokenizer_hash="abc")
+    assert token_file.is_token_file(tokens)
+    text = tmp_path / "t.txt"  # a text file beside a sidecar of its name
+    text.write_text("once upon a time", encoding="utf-8")
+    assert not token_file.is_token_file(text)
+    assert not token_file.is_token_file(write(tmp_path / "raw.bin", np.arange(10), sidecar=False))
+    (tmp_path / "settings.json").write_text('{"lr": 3}')
+    (tmp_path / "settings.bin").write_bytes(b"\0" * 20)
+    assert not token_file.is_token_file(tmp_path / "settings.bin")
+    assert not token_file.is_token_file(tmp_path / "missing.bin")

@@ -251,12 +251,12 @@ def test_refuses_to_replace_a_file_that_is_not_a_token_file(tokenizer, tmp_path)
     src.write_text("hello world", encoding="utf-8")
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes", encoding="utf-8")
-    with pytest.raises(UserError, match="is not a token file"):
+    with pytest.raises(UserError, match="notes.txt exists and is not a token file"):
         encode_corpus(src, tokenizer, notes, progress=False)
     assert notes.read_text(encoding="utf-8") == "my notes" and not (tmp_path / "notes.json").exists()
     config = tmp_path / "settings.json"
     config.write_text('{"lr": 3}', encoding="utf-8")
-    with pytest.raises(UserError, match="is not the sidecar of a token file"):
+    with pytest.raises(UserError, match="settings.json exists and is not a token file or its sidecar"):
         encode_corpus(src, tokenizer, tmp_path / "settings.bin", progress=False)
     assert config.read_text(encoding="utf-8") == '{"lr": 3}' and not (tmp_path / "settings.bin").exists()
     # A token file is replaced, as is one whose rerun failed on bad input (its sidecar is put back).

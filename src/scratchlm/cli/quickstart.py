@@ -113,6 +113,11 @@ def quickstart_command(argv: list[str]) -> int:
             raise UserError(f"{flag} must be a positive number, got {value}")
     if args.vocab_size < 257:
         raise UserError(f"--vocab-size must be at least 257 (256 bytes and {EOT}), got {args.vocab_size}")
+    from scratchlm.data.token_file import is_token_file
+
+    if args.data is not None and is_token_file(args.data):
+        raise UserError(f"--data {args.data} is a token file (written by `scratchlm encode`), not text; "
+                        "give the text file that was encoded")
     run_quickstart(args, overrides)
     return 0
 

@@ -49,10 +49,14 @@ def train_bpe_command(argv: list[str]) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
+    from scratchlm.data.token_file import is_token_file
     from scratchlm.tokenizer.io import TOKENIZER_FILES
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train import train_bpe
 
+    if is_token_file(args.input):
+        raise UserError(f"{args.input} is a token file (written by `scratchlm encode`), not text; "
+                        "train-bpe reads a UTF-8 text file, such as the file that was encoded")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"{args.out}: exists and is not a directory")
     found = [name for name in TOKENIZER_FILES if (args.out / name).exists()]

@@ -76,6 +76,19 @@ def read_sidecar(bin_path: str | os.PathLike) -> dict[str, Any] | None:
     return meta
 
 
+def is_token_file(path: str | os.PathLike) -> bool:
+    """True when `path` is a token file as `scratchlm encode` writes it: its sidecar is well formed
+    and counts exactly the tokens the file holds (a text file beside a sidecar of its name is not)."""
+    path = Path(path)
+    try:
+        meta = read_sidecar(path)
+    except UserError:
+        return False
+    if meta is None or meta.get("num_tokens") is None or not path.is_file():
+        return False
+    return path.stat().st_size == meta["num_tokens"] * DTYPES[meta.get("dtype", "uint16")].itemsize
+
+
 def max_token_id(tokens: np.ndarray, *, chunk_tokens: int = CHUNK_TOKENS) -> int:
     """The largest id in `tokens`, reading a memmap `chunk_tokens` at a time (never whole)."""
     largest = 0

@@ -28,9 +28,9 @@ Design decisions:
   fail again (and ``errors="replace"`` makes a different plan). Only
   after the rename to ``OUT.bin`` is the sidecar written (old sidecars are removed first, and
   put back when the input turns out not to be UTF-8), so a token file with a sidecar is always
-  complete, and ``open_tokens`` checks the size against it. Only a token file is replaced: an
-  ``OUT.bin`` with neither a sidecar nor resume state beside it, or an ``OUT.json`` that is not
-  a sidecar, is some other file, and a ``UserError``.
+  complete, and ``open_tokens`` checks the size against it. Only a token file (`is_token_file`)
+  or what an interrupted run left is replaced: any other file at ``OUT.bin`` or ``OUT.json`` is
+  a ``UserError``, as is a token file given as the input.
 * **UTF-8.** Input must be UTF-8 (``errors="strict"``, the default: a bad byte raises a
   ``UserError`` naming its offset and both spellings of the fix, ``--errors replace`` for the
   command line and ``errors="replace"`` for Python); ``errors="replace"`` encodes invalid bytes
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import regex
 
-from scratchlm.data.token_file import read_sidecar, sidecar_path, token_dtype
+from scratchlm.data.token_file import is_token_file, sidecar_path, token_dtype
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
 from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
@@ -268,6 +268,8 @@ def _check_input(path: Path) -> Path:
         raise UserError(f"input file not found: {path}")
     if path.is_dir():
         raise UserError(f"input is a directory, not a text file: {path}")
+    if is_token_file(path):
+        raise UserError(f"input is a token file (written by `scratchlm encode`), not a text file: {path}")
     return path.resolve()
 
 
@@ -287,21 +289,13 @@ def _check_output(path: Path, source: Path) -> Path:
 
 def _check_replaceable(files: _OutputFiles) -> None:
     """Refuse to replace anything but a token file and its sidecar, or what an interrupted run left."""
-    if files.sidecar.exists() and not _is_sidecar(files.out):
-        raise UserError(f"{files.sidecar} exists and is not the sidecar of a token file; encoding to "
-                        f"{files.out} would replace it: choose another output path")
-    leftovers = files.partial.exists() or files.parts_dir.exists()
-    if files.out.exists() and not files.sidecar.exists() and not leftovers:
-        raise UserError(f"output {files.out} exists and is not a token file (it has no sidecar "
-                        f"{files.sidecar.name}); remove it or choose another output path")
-
-
-def _is_sidecar(out: Path) -> bool:
-    try:
-        meta = read_sidecar(out)
-    except UserError:
-        return False
-    return meta is not None and "num_tokens" in meta and "tokenizer_hash" in meta
+    if is_token_file(files.out) or files.partial.exists() or files.parts_dir.exists():
+        return
+    for path in (files.out, files.sidecar):
+        if path.exists():
+            raise UserError(f"{path} exists and is not a token file or its sidecar (written by `scratchlm "
+                            f"encode`); encoding to {files.out} would replace it: remove it or choose "
+                            "another output path")
 
 
 def _resolve_tokenizer(tokenizer_or_dir: Any) -> tuple[Any, Any]:
