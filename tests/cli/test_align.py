@@ -189,6 +189,7 @@ def test_eval_math_out_may_not_be_its_dataset(tmp_path, capsys):
     (["--temperature", "nan"], "--temperature must be a number >= 0"),
     (["--out", "{file}/results.jsonl"], "is a file, not a directory"),
     (["--out", "{file}/deeper/results.jsonl"], "is a file, not a directory"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**32)"),  # was a ValueError once generating
 ])
 def test_eval_math_refuses_bad_options_before_loading_anything(tmp_path, capsys, args, message):
     # An infinite temperature sampled uniformly at random; an --out under a file failed with a

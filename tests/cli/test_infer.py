@@ -82,6 +82,12 @@ def test_generate_command_rejects_bad_temperature(ckpt, value):
         generate_command([str(ckpt), "--temperature", value, "--device", "cpu"])
 
 
+@pytest.mark.parametrize("value", ["-1", str(2**64)])
+def test_generate_command_rejects_a_seed_out_of_range(ckpt, value):
+    with pytest.raises(UserError, match=r"--seed must be in \[0, 2\*\*32\)"):
+        generate_command([str(ckpt), "--seed", value, "--device", "cpu"])
+
+
 def test_generate_command_says_when_the_context_cuts_samples(ckpt, capsys):
     # context_length 32, a 2-token prompt: at most 30 new tokens fit.
     assert generate_command([str(ckpt), "--prompt", "ab", "--max-new-tokens", "500", "--temperature", "0",

@@ -60,6 +60,7 @@ def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
     ("--trainer.sample_top_p=0", "trainer.sample_top_p must be in"),
     ("--trainer.sample_top_p=1.5", "trainer.sample_top_p must be in"),
     ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be >= 0"),
+    ("--trainer.seed=-1", r"trainer.seed must be in \[0, 2\*\*32\)"),  # was numpy's ValueError
 ])
 def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override, message):
     # These failed only when the samples were drawn, after the whole run had trained.

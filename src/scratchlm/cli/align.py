@@ -280,6 +280,8 @@ def eval_math_command(argv: list[str]) -> int:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not 0 <= args.temperature < float("inf"):
         raise UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.out:
         # Checked now, not after the whole evaluation has run.
         out = Path(args.out)

@@ -56,6 +56,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--top-k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
 
 
 def _warn_if_context_cuts(prompts: list[list[int]], args: argparse.Namespace, context_length: int) -> None:

@@ -96,6 +96,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.sample_temperature must be >= 0 (0 = greedy), got {self.sample_temperature}")
         if not 0 < self.sample_top_p <= 1:
             raise ValueError(f"trainer.sample_top_p must be in (0, 1], got {self.sample_top_p}")
+        if not 0 <= self.seed < 2**32:  # numpy's range; it seeds the data sampler
+            raise ValueError(f"trainer.seed must be in [0, 2**32), got {self.seed}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.batch_size % self.grad_accum_steps:
