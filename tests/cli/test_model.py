@@ -99,7 +99,7 @@ def test_account_command_config_that_is_not_utf8(tmp_path, capsys):
     assert "model.toml: not a TOML config" in err and "\n" not in err
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e300"])  # 1e300 GiB overflowed counting its bytes
 def test_account_memory_gib_must_be_positive(value):
     with pytest.raises(UserError, match="--memory-gib must be a positive number"):
         account_command(["--memory-gib", value])

@@ -165,3 +165,12 @@ def test_train_bpe_and_encode_refuse_a_token_file_as_their_text(corpus, tmp_path
     assert main(["encode", str(tokens), "--tokenizer", str(tok), "--out", str(tmp_path / "again.bin")]) == 2
     assert "input is a token file" in capsys.readouterr().err
     assert not (tmp_path / "again.bin").exists()
+
+
+def test_tokenizer_stats_reads_the_whole_sample_when_max_mb_is_huge(corpus, tmp_path, capsys):
+    # An OverflowError of the read before.
+    out = tmp_path / "tok"
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["tokenizer-stats", str(out), str(corpus), "--max-mb", "1e300", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sample_bytes"] == corpus.stat().st_size

@@ -127,7 +127,7 @@ def account_command(argv: list[str]) -> int:
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="also report the largest fp32 batch that fits in this much memory")
     args = parser.parse_args(positional)
-    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib * 2**30) and args.memory_gib > 0):
         raise UserError(f"--memory-gib must be a positive number of GiB, got {args.memory_gib}")
     cfg, optimizer = load_account_config(args.config, overrides)
     report = account(cfg, optimizer)

@@ -17,7 +17,7 @@ def read_sample(path: str | os.PathLike, max_bytes: int) -> str:
     if not path.is_file():
         raise UserError(f"{path}: sample file not found" if not path.exists() else f"{path}: not a file")
     with open(path, "rb") as f:
-        data = f.read(max_bytes)
+        data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size))  # (a huge max_bytes overflows read)
     if b"\x00" in data:  # text has no NUL bytes; a token file (uint16 ids below 256) has many
         raise UserError(f"{path}: binary data (NUL bytes), not a text sample; tokenizer-stats reads UTF-8 text")
     try:
