@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scratchlm import fileio
+from scratchlm.errors import UserError
 from scratchlm.fileio import atomic_open, write_text_atomic
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -208,3 +209,21 @@ def test_copy_tree_atomic_without_the_exchange_renames_twice(tmp_path, monkeypat
         (d / "f").write_text(text)
     fileio.copy_tree_atomic(src, dst)
     assert (dst / "f").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_check_writable_dir_takes_a_directory_that_is_there_or_can_be_made_and_leaves_nothing(tmp_path):
+    (tmp_path / "runs").mkdir()
+    fileio.check_writable_dir(tmp_path / "runs", "--out runs")
+    fileio.check_writable_dir(tmp_path / "new" / "deeper", "--out new/deeper")
+    assert _names(tmp_path) == ["runs"] and _names(tmp_path / "runs") == []
+    (tmp_path / "notes.txt").write_text("keep\n")
+    with pytest.raises(UserError, match=r"^--out x: .*notes.txt is a file, not a directory$"):
+        fileio.check_writable_dir(tmp_path / "notes.txt" / "deeper", "--out x")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be created")
+def test_check_writable_dir_refuses_a_directory_where_no_file_can_be_created():
+    with pytest.raises(UserError, match=r"^--out x: cannot write in /proc \("):
+        fileio.check_writable_dir("/proc", "--out x")
+    with pytest.raises(UserError, match=r"^--out x: cannot create /proc/missing: cannot write in /proc \("):
+        fileio.check_writable_dir("/proc/missing", "--out x")

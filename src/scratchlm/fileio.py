@@ -14,6 +14,8 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import IO, Any
 
+from scratchlm.errors import UserError
+
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, encoding: str = "utf-8") -> Path:
     """Replace the file at ``path`` with ``text`` in one step; returns the path.
@@ -60,6 +62,27 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, encoding: str = "ut
             os.unlink(tmp)
         raise
     _fsync_directory(path.parent)
+
+
+def check_writable_dir(directory: str | os.PathLike, what: str) -> None:
+    """Refuse, with a UserError naming ``what`` (such as ``--out results.jsonl``), a ``directory``
+    that files cannot be written into: one that exists and takes no new file, or one that is
+    missing and cannot be created there. For a command to call before long work that writes
+    there at the end. Checked by creating (and removing) an empty temporary file in the directory,
+    or in its nearest existing ancestor: unlike `os.access`, that also catches a read-only file
+    system or /proc, and is right for root too. Nothing is created or left behind."""
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{what}: {existing} is a file, not a directory")
+    probe = temporary_name(existing / "write-check")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        where = (f"cannot write in {existing}" if existing == directory
+                 else f"cannot create {directory}: cannot write in {existing}")
+        raise UserError(f"{what}: {where} ({exc.strerror or exc})") from exc
+    os.unlink(probe)
 
 
 def move_aside(path: Path, tag: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +202,12 @@ def test_eval_math_refuses_bad_options_before_loading_anything(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert file.read_text() == "keep\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be created")
+@pytest.mark.parametrize("out", ["/proc/results.jsonl", "/proc/missing/results.jsonl"])
+def test_eval_math_refuses_an_out_it_cannot_write_before_loading_anything(tmp_path, capsys, out):
+    # Evaluated the whole dataset first, then failed to write the results.
+    assert main(["eval-math", str(tmp_path / "no-run"), "--dataset", "arith", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {out}: cannot" in err and "write in /proc" in err and "\n" not in err

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import check_writable_dir
 
 log = logging.getLogger("scratchlm.align")
 
@@ -292,6 +293,7 @@ def eval_math_command(argv: list[str]) -> int:
         blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
         if blocker is not None:
             raise UserError(f"--out {out}: {blocker} is a file, not a directory; give another file name")
+        check_writable_dir(out.parent, f"--out {out}")
         out.parent.mkdir(parents=True, exist_ok=True)
 
     from scratchlm.align.datasets import load_examples
