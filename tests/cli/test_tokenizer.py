@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +96,19 @@ def test_train_bpe_refuses_to_replace_a_tokenizer_before_training(corpus, tmp_pa
     (out / "tokenizer.json").unlink()
     assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(out), "--quiet"]) == 2
     assert "already holds a tokenizer: merges.txt (pass --overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be created")
+@pytest.mark.parametrize("out", ["/proc", "/proc/tok"])
+def test_train_bpe_refuses_an_out_it_cannot_write_before_training(corpus, capsys, monkeypatch, out):
+    # Trained the whole tokenizer first, then failed to save it.
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr("scratchlm.tokenizer.train.train_bpe", no_training)
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {out}: cannot" in err and "write in /proc" in err and "\n" not in err
 
 
 def test_train_bpe_overwrite_replaces_the_tokenizer(corpus, tmp_path):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import check_writable_dir, write_text_atomic
 
 
 def _peak_rss_mb() -> tuple[float, float]:
@@ -59,6 +59,7 @@ def train_bpe_command(argv: list[str]) -> int:
                         "train-bpe reads a UTF-8 text file, such as the file that was encoded")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"{args.out}: exists and is not a directory")
+    check_writable_dir(args.out, f"--out {args.out}")  # now, not once the training is done
     found = [name for name in TOKENIZER_FILES if (args.out / name).exists()]
     if found and not args.overwrite:
         raise UserError(f"{args.out} already holds a tokenizer: {', '.join(found)} (pass --overwrite to replace it)")
