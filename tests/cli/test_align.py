@@ -185,6 +185,21 @@ def test_eval_math_out_may_not_be_its_dataset(tmp_path, capsys):
     assert data.read_bytes() == before
 
 
+def test_eval_math_split_is_refused_with_a_dataset_file(tmp_path, capsys):
+    # The file was read whole and --split quietly ignored (and written into the summary).
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    assert main(["eval-math", str(tmp_path / "no-run"), "--dataset", str(data), "--split", "train"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"scratchlm eval-math: error: --split train does not apply to the --dataset file {data}, "
+                   "which is read whole; leave --split out")
+    # Without --split the file is read as before (here the missing model is the first problem).
+    assert main(["eval-math", str(tmp_path / "no-run"), "--dataset", str(data)]) == 2
+    assert "no-run" in capsys.readouterr().err
+    assert main(["eval-math", str(tmp_path / "no-run"), "--dataset", "arith", "--split", "train"]) == 2
+    assert "no-run" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
     (["--temperature", "nan"], "--temperature must be a number >= 0"),

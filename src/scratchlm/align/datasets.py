@@ -133,6 +133,13 @@ def examples_from_rows(rows: list[dict[str, Any]], where: str) -> list[MathExamp
     return out
 
 
+def is_file_dataset(dataset: str) -> bool:
+    """Whether `load_examples` reads `dataset` as a JSONL file (which has no splits), not as a named dataset."""
+    if dataset in DATASETS or dataset.startswith("arith:"):
+        return False
+    return dataset.endswith(".jsonl") or Path(dataset).is_file()
+
+
 def load_examples(dataset: str, split: str = "test", *, data_dir: str | os.PathLike | None = None,
                   limit: int | None = None, seed: int = 0) -> list[MathExample]:
     """The examples of a named dataset's split, or of a JSONL file; the first `limit` of them."""
@@ -151,7 +158,7 @@ def load_examples(dataset: str, split: str = "test", *, data_dir: str | os.PathL
         if split != "test":
             raise UserError("math500 has only a test split")
         path = base / "math" / "math500_test.jsonl"
-    elif dataset.endswith(".jsonl") or Path(dataset).is_file():
+    elif is_file_dataset(dataset):
         path = Path(dataset)
     else:
         raise UserError(f"unknown dataset {dataset!r} (known: {', '.join(DATASETS)}, or a .jsonl path)")

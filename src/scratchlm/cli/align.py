@@ -255,7 +255,7 @@ def eval_math_command(argv: list[str]) -> int:
                                      description="Generate answers to math problems and grade them.")
     parser.add_argument("model", help="scratchlm run/step directory or checkpoint, or a local HF model directory")
     parser.add_argument("--dataset", default="gsm8k", help="gsm8k, math, math500, arith[:D], or a .jsonl file")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--split", default=None, help="split of a named dataset (default test); not for a .jsonl file")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
     parser.add_argument("--out", default=None, help="per-example results JSONL (summary beside it)")
     parser.add_argument("--template", default="r1_zero", help="prompt format: r1_zero or question_only")
@@ -273,8 +273,15 @@ def eval_math_command(argv: list[str]) -> int:
                         help="grade only the problems whose prompt leaves room for an answer in the model's context "
                              "(by default such a prompt is an error, before any evaluation)")
     args = parser.parse_args(argv)
+    from scratchlm.align.datasets import is_file_dataset
+
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be positive, got {args.limit}")
+    if args.split is not None and is_file_dataset(args.dataset):
+        raise UserError(f"--split {args.split} does not apply to the --dataset file {args.dataset}, which is read "
+                        "whole; leave --split out")
+    if args.split is None:
+        args.split = "test"
     if args.batch_size <= 0:
         raise UserError(f"--batch-size must be positive, got {args.batch_size}")
     if args.max_new_tokens < 0:
