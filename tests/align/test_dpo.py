@@ -215,6 +215,10 @@ def test_read_preference_pairs_and_its_errors(tmp_path):
         read_preference_pairs(_write(tmp_path / "num.jsonl", [json.dumps({**row, "chosen": 2})]))
     with pytest.raises(UserError, match="no preference pairs"):
         read_preference_pairs(_write(tmp_path / "empty.jsonl", ["", "  "]))
+    same = _write(tmp_path / "same.jsonl", [json.dumps(row), "", json.dumps({**row, "rejected": " 2"}),
+                                            json.dumps({**row, "chosen": " 3"})])
+    with pytest.raises(UserError, match=r"same.jsonl:3: chosen and rejected are the same response"):
+        read_preference_pairs(same)  # (the first such line; a blank line still counts)
     for message in ("not valid JSON", "missing key"):
         with pytest.raises(UserError) as err:
             read_preference_pairs(bad if "JSON" in message else missing)

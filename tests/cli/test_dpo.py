@@ -72,6 +72,8 @@ def test_dpo_command_on_a_jsonl_file_holds_out_pairs(tiny_policy, tmp_path):
 @pytest.mark.parametrize("lines, message", [
     (['{"prompt": "a", "chosen": "b", "rejected": "c"}', '{"prompt": "a", "chosen": '], "pairs.jsonl:2: not valid JSON"),
     (['{"prompt": "a", "chosen": "b"}'], "pairs.jsonl:1: missing key rejected"),
+    (['{"prompt": "a", "chosen": "b", "rejected": "c"}', '{"prompt": "a", "chosen": " b", "rejected": " b"}'],
+     "pairs.jsonl:2: chosen and rejected are the same response"),
     (["", ""], "holds no preference pairs"),
 ])
 def test_bad_pair_files_are_one_line_errors(tiny_policy, tmp_path, capsys, lines, message):

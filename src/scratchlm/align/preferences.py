@@ -5,8 +5,9 @@ Two sources:
 - a JSONL file, one object per line with string values under ``prompt``, ``chosen`` and
   ``rejected``. The prompt is used verbatim (no template is applied) and each response is the
   text that follows it, so ``prompt + chosen`` is the whole preferred sequence. Blank lines are
-  skipped; a line that is not JSON, not an object, misses a key or holds a non-string value is
-  a one-line `UserError` naming the file and the line number.
+  skipped; a line that is not JSON, not an object, misses a key, holds a non-string value or
+  the same text as chosen and rejected is a one-line `UserError` naming the file and the line
+  number.
 - ``arith`` or ``arith:D``: synthetic pairs from the arithmetic task (`scratchlm.align.task`)
   in a prompt template: chosen is the worked solution, rejected the same reasoning with a
   wrong final answer, so the preference is between a consistent and an inconsistent answer.
@@ -61,6 +62,9 @@ def read_preference_pairs(path: str | os.PathLike) -> list[PreferencePair]:
             wrong = next((k for k in KEYS if not isinstance(row[k], str)), None)
             if wrong is not None:
                 raise UserError(f"{p}:{n}: {wrong} must be a string, got {type(row[wrong]).__name__}")
+            if row["chosen"] == row["rejected"]:
+                raise UserError(f"{p}:{n}: chosen and rejected are the same response, which gives DPO nothing "
+                                "to prefer; remove the pair or fix one of them")
             pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"]))
     if not pairs:
         raise UserError(f"{p} holds no preference pairs (expected JSONL with prompt, chosen, rejected on each line)")
