@@ -181,6 +181,27 @@ def test_engine_is_kept_per_model_and_released(model):
     assert model not in gen._ENGINES
 
 
+def test_greedy_calls_share_a_kept_engine_of_other_slot_counts(model):
+    from scratchlm.infer import generate as gen
+
+    gen.release_engines(model)
+    prompts = _prompts(6, seed=8)
+    expected = generate(model, prompts, 5, temperature=0, kv_cache="dynamic")
+    sampled = generate(model, prompts[:4], 5, temperature=1.0, seed=1)  # an engine of 4 slots
+    engine = gen._ENGINES[model][1]
+    assert engine.slots == 4
+    assert generate(model, prompts, 5, temperature=0) == expected  # 6 rows in the kept 4 slots
+    assert generate(model, prompts[:1], 5, temperature=0) == expected[:1]  # 1 row in them
+    assert gen._ENGINES[model][1] is engine
+    assert generate(model, prompts[:4], 5, temperature=1.0, seed=1) == sampled  # and the same draws after
+    generate(model, prompts, 5, temperature=0, max_batch=3)  # at most 3 rows at once: not the kept 4
+    assert gen._ENGINES[model][1] is not engine
+    engine = gen._ENGINES[model][1]
+    generate(model, prompts[:4], 5, temperature=0.8, seed=2)  # sampled: exactly 4 slots
+    assert gen._ENGINES[model][1] is not engine and gen._ENGINES[model][1].slots == 4
+    gen.release_engines(model)
+
+
 @pytest.fixture(scope="module")
 def gqa_model():
     # grouped-query attention (2 kv heads for 4 query heads), QK-norm and a window shorter than

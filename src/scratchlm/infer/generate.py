@@ -145,15 +145,27 @@ def release_engines(model: nn.Module | None = None) -> None:
         _ENGINES.pop(model, None)
 
 
-def _engine_for(model: nn.Module, slots: int, need: int, compile: bool) -> DecodeEngine:
+def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greedy: bool = False,
+                max_slots: int | None = None) -> DecodeEngine:
+    """The engine kept for `model` when it fits the call, else a new one of `slots` rows.
+
+    A sampled call needs an engine of exactly `slots` rows: which rows share a step decides
+    which draws each row gets, so a seed gives the same samples only from the same slot count.
+    A greedy call's tokens do not depend on it, so it also takes a kept engine of at least half
+    its rows and at most `max_slots` (GRPO's held-out evaluation of 500 questions and its
+    rollouts of 256 then share one engine and its captured steps, instead of rebuilding each
+    in turn).
+    """
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and device.type in ("cuda", "cpu")
     mode = (compile, autocast, torch.get_autocast_dtype(device.type) if autocast else None,
             next(model.parameters()).dtype)
     max_len = min(model.context_length, -(-need // _LEN_STEP) * _LEN_STEP)
     held = _ENGINES.get(model)
-    if held is not None and held[0] == mode and held[1].slots == slots and held[1].max_len >= need:
-        return held[1]
+    if held is not None and held[0] == mode and held[1].max_len >= need:
+        kept = held[1].slots
+        if kept == slots or (greedy and 2 * kept >= slots and kept <= (max_slots or slots)):
+            return held[1]
     _ENGINES.pop(model, None)  # free the old cache before allocating the new one
     engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_BUCKET)
     _ENGINES[model] = (mode, engine)
@@ -165,8 +177,9 @@ def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, 
     if max(budgets) <= 0:
         return [[] for _ in prompts]
     need = max(len(p) + g for p, g in zip(prompts, budgets))
-    engine = _engine_for(model, min(len(prompts), max_batch), need, compile)
     temperature, top_k, top_p, generator = sampling
+    engine = _engine_for(model, min(len(prompts), max_batch), need, compile, greedy=temperature == 0,
+                         max_slots=max_batch)
     return engine.run(prompts, budgets, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
                       generator=generator)
 
