@@ -227,3 +227,16 @@ def test_check_writable_dir_refuses_a_directory_where_no_file_can_be_created():
         fileio.check_writable_dir("/proc", "--out x")
     with pytest.raises(UserError, match=r"^--out x: cannot create /proc/missing: cannot write in /proc \("):
         fileio.check_writable_dir("/proc/missing", "--out x")
+
+
+def test_replacing_tree_leaves_dst_as_it_was_when_the_block_raises(tmp_path):
+    dst = tmp_path / "tok"
+    dst.mkdir()
+    (dst / "vocab.json").write_text("old")
+    with pytest.raises(OSError, match="cut"), fileio.replacing_tree(dst) as staging:
+        (staging / "vocab.json").write_text("new")
+        raise OSError("cut")
+    assert _names(tmp_path) == ["tok"] and (dst / "vocab.json").read_text() == "old"
+    with fileio.replacing_tree(dst) as staging:
+        (staging / "merges.txt").write_text("new")
+    assert _names(tmp_path) == ["tok"] and _names(dst) == ["merges.txt"]

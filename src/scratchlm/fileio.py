@@ -109,21 +109,37 @@ def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Make ``dst`` a copy of the directory ``src`` in one step; returns ``dst``.
 
     The files are copied (skipping `TEMPORARY_GLOB` names, what a writer killed in ``src`` may
-    have left) into a temporary sibling of ``dst``, fsynced, and put in place. A previous ``dst``
-    is swapped with the copy in one atomic step where the system can (Linux's `renameat2`
-    exchange, `exchange_paths`) and removed after, so ``dst`` ends up exactly a copy of ``src``
-    (nothing of the old copy is kept) and there is never a moment without one. Elsewhere the
-    previous ``dst`` is renamed aside just before the copy is renamed in: only between those
-    two renames is there no ``dst``, and then the old copy is in a hidden
-    ``.NAME.XXXXXXXX.tmp`` sibling. A process killed during the copy leaves the old ``dst`` as
-    it was; leftovers of an earlier kill are removed by the next copy.
+    have left) into a new directory that then replaces ``dst`` as `replacing_tree` says: ``dst``
+    ends up exactly a copy of ``src`` (nothing of the old copy is kept), a process killed during
+    the copy leaves the old ``dst`` as it was, and leftovers of an earlier kill are removed by
+    the next copy.
     """
-    src, dst = Path(src), Path(dst)
+    with replacing_tree(dst) as staging:
+        shutil.copytree(src, staging, ignore=shutil.ignore_patterns(TEMPORARY_GLOB), dirs_exist_ok=True)
+    return Path(dst)
+
+
+@contextlib.contextmanager
+def replacing_tree(dst: str | os.PathLike) -> Iterator[Path]:
+    """A new empty directory to fill, which replaces the directory ``dst`` in one step when the
+    ``with`` block ends.
+
+    The directory is a temporary sibling of ``dst`` (``.NAME.XXXXXXXX.tmp``). When the block
+    ends normally its files are fsynced and it is put in place: a previous ``dst`` is swapped
+    with it in one atomic step where the system can (Linux's `renameat2` exchange,
+    `exchange_paths`) and removed after, so there is never a moment without a ``dst``.
+    Elsewhere the previous ``dst`` is renamed aside just before the new one is renamed in: only
+    between those two renames is there no ``dst``, and then the old one is in a hidden
+    ``.NAME.XXXXXXXX.tmp`` sibling. When the block raises, or the process is killed before the
+    swap, ``dst`` is left as it was; leftovers of an earlier kill are removed first.
+    """
+    dst = Path(dst)
     for stale in dst.parent.glob(f".{glob_escape(dst.name)}.*.tmp"):
         _remove(stale)
     staging, old = temporary_name(dst), None
     try:
-        shutil.copytree(src, staging, ignore=shutil.ignore_patterns(TEMPORARY_GLOB))
+        staging.mkdir(parents=True)
+        yield staging
         for directory, _, files in os.walk(staging):
             for name in files:
                 fd = os.open(Path(directory) / name, os.O_RDONLY)
@@ -133,7 +149,7 @@ def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                     os.close(fd)
             _fsync_directory(Path(directory))
         if (dst.exists() or dst.is_symlink()) and exchange_paths(staging, dst):
-            old, staging = staging, None  # (the swap put the old copy where the new one was)
+            old, staging = staging, None  # (the swap put the old dst where the new one was)
         else:
             if dst.exists() or dst.is_symlink():
                 old = temporary_name(dst)
@@ -142,14 +158,13 @@ def copy_tree_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     except BaseException:
         if old is not None and not (dst.exists() or dst.is_symlink()):
             with contextlib.suppress(OSError):
-                os.rename(old, dst)  # the new copy did not take its place: the old one goes back
+                os.rename(old, dst)  # the new one did not take its place: the old one goes back
         if staging is not None:
             _remove(staging)
         raise
     _fsync_directory(dst.parent)
     if old is not None:
         _remove(old)
-    return dst
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h

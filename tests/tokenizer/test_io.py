@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +226,46 @@ def test_special_tokens_json_that_disagrees_with_vocab_json_is_an_error(trained,
     path.write_text(json.dumps([EOT]), encoding="utf-8")  # a list of tokens without ids reads as before
     loaded = Tokenizer.load(tmp_path / "tok")
     assert loaded.vocab == trained.vocab and loaded.special_token_ids == trained.special_token_ids
+
+
+def _small(*merges: tuple[bytes, bytes]) -> Tokenizer:
+    vocab = {i: bytes([i]) for i in range(256)} | {256 + k: a + b for k, (a, b) in enumerate(merges)}
+    return Tokenizer(vocab, list(merges), [EOT])
+
+
+def test_a_save_cut_off_partway_leaves_the_old_tokenizer(tmp_path, monkeypatch):
+    # Replaced vocab.json, then stopped: the new vocab.json with the old merges.txt loaded as
+    # neither tokenizer (or refused).
+    import scratchlm.tokenizer.io as tokenizer_io
+
+    old, new = _small((b"a", b"b")), _small((b"t", b"h"), (b"th", b"e"))
+    old.save(tmp_path / "tok")
+    (tmp_path / "tok" / "train_bpe.json").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()}
+
+    def cut(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(tokenizer_io, "write_merges_txt", cut)
+    with pytest.raises(OSError, match="No space left"):
+        new.save(tmp_path / "tok")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()} == before
+    assert Tokenizer.load(tmp_path / "tok").hash == old.hash
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]  # nothing left beside it
+    monkeypatch.undo()
+    new.save(tmp_path / "tok")
+    assert Tokenizer.load(tmp_path / "tok").hash == new.hash
+    assert (tmp_path / "tok" / "train_bpe.json").read_text() == "{}\n"  # what else was there is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+
+
+def test_a_save_into_a_directory_holding_a_folder_or_the_working_directory_writes_into_it(tmp_path, monkeypatch):
+    old, new = _small((b"a", b"b")), _small((b"t", b"h"))
+    (tmp_path / "tok" / "notes").mkdir(parents=True)
+    old.save(tmp_path / "tok")
+    new.save(tmp_path / "tok")
+    assert Tokenizer.load(tmp_path / "tok").hash == new.hash and (tmp_path / "tok" / "notes").is_dir()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    old.save(".")  # nor is the working directory
+    assert Tokenizer.load(tmp_path / "here").hash == old.hash and Path.cwd().samefile(tmp_path / "here")

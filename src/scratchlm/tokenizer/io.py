@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import replacing_tree, write_text_atomic
 from scratchlm.tokenizer.bytes_unicode import text_to_token, token_to_text
 from scratchlm.tokenizer.pretokenize import GPT2_PAT
 
@@ -257,7 +257,15 @@ def _hf_document(tokenizer: Tokenizer, vocab: dict[str, int]) -> dict[str, Any]:
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
-    """Write the four tokenizer files into directory (created if needed).
+    """Write the four tokenizer files into directory (created if needed), all or nothing.
+
+    They are written into a new temporary sibling of directory, which then takes its place in
+    one step (`scratchlm.fileio.replacing_tree`): a save cut off partway leaves the tokenizer
+    that was there before (or none), never a mix of old and new files that would load as a
+    wrong tokenizer. Whatever else directory holds (train-bpe's train_bpe.json, say) is
+    hard-linked into the new one. Where the directory cannot be replaced so (it holds a folder,
+    is a mount point or holds the working directory, or its file system has no hard links) the
+    files are written into it one by one, each whole, as before.
 
     tokenizer.json is left out (and an older one removed), with a warning, for a tokenizer
     that has a special token with an ordinary token's text (see the module's docstring).
@@ -266,7 +274,41 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory")
     texts, left_out = _vocab_texts(tokenizer.vocab, tokenizer.special_token_ids)  # (may refuse: nothing written yet)
-    out.mkdir(parents=True, exist_ok=True)
+    target = out.resolve()  # (a link to a directory stays one; "." gets a name)
+    try:
+        with replacing_tree(target) as staging:
+            _link_other_files(target, staging)
+            _write_tokenizer_files(tokenizer, texts, left_out, staging)
+    except _CannotReplace:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_tokenizer_files(tokenizer, texts, left_out, out)
+    if left_out:
+        log.warning("%s: no %s written: %s", out, HF_TOKENIZER_FILE, _no_hf_file(tokenizer, left_out))
+
+
+class _CannotReplace(Exception):
+    """The tokenizer directory cannot be replaced whole (see ``save_tokenizer``)."""
+
+
+def _link_other_files(directory: Path, into: Path) -> None:
+    """Hard-link into ``into`` whatever ``directory`` holds besides a tokenizer's files; raise
+    _CannotReplace where that would not be all of it."""
+    if not directory.exists():
+        return
+    if os.path.ismount(directory) or Path.cwd().is_relative_to(directory):
+        raise _CannotReplace
+    for entry in directory.iterdir():
+        if entry.name in TOKENIZER_FILES:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            raise _CannotReplace
+        try:
+            os.link(entry, into / entry.name, follow_symlinks=False)
+        except OSError as exc:
+            raise _CannotReplace from exc
+
+
+def _write_tokenizer_files(tokenizer: Tokenizer, texts: dict[str, int], left_out: dict[str, int], out: Path) -> None:
     _write_vocab_texts(texts, out / VOCAB_FILE)
     write_merges_txt(tokenizer.merges, out / MERGES_FILE)
     specials = {"special_tokens": [{"token": t, "id": tokenizer.special_token_ids[t]}
@@ -274,9 +316,9 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
     write_text_atomic(out / SPECIAL_TOKENS_FILE, json.dumps(specials, ensure_ascii=False, indent=2) + "\n")
     if left_out:
         (out / HF_TOKENIZER_FILE).unlink(missing_ok=True)
-        log.warning("%s: no %s written: %s", out, HF_TOKENIZER_FILE, _no_hf_file(tokenizer, left_out))
-        return
-    write_text_atomic(out / HF_TOKENIZER_FILE, json.dumps(_hf_document(tokenizer, texts), ensure_ascii=False) + "\n")
+    else:
+        write_text_atomic(out / HF_TOKENIZER_FILE,
+                          json.dumps(_hf_document(tokenizer, texts), ensure_ascii=False) + "\n")
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
