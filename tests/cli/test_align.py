@@ -133,6 +133,28 @@ def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, caps
                      "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]) == 0
 
 
+@pytest.mark.parametrize("command, preset, options", [
+    ("sft", "align-sft", COMMON), ("expert-iteration", "align-ei", COMMON),
+    ("grpo", "align-grpo", [*COMMON, "--data.limit=64"]),
+    ("dpo", "dpo", ["--policy.device=cpu", "--run.progress=false"]),
+])
+def test_out_dir_may_not_be_a_hugging_face_model_directory(tmp_path, capsys, monkeypatch, command, preset, options):
+    # Wrote config.toml, metrics.jsonl and policy/ among the model's files.
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the policy was loaded")
+
+    monkeypatch.setattr("scratchlm.align.policy.load_policy", no_loading)
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}\n')
+    (hf / "model.safetensors").write_bytes(b"weights")
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    code = main([command, preset, f"--policy.path={hf}", f"--run.out_dir={hf}", *options])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is a Hugging Face model directory" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
+
+
 @pytest.mark.parametrize("command, preset, extra", [
     ("sft", "align-sft", ["--sft.max_steps=1"]),
     ("expert-iteration", "align-ei", ["--ei.n_ei_steps=1"]),

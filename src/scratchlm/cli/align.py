@@ -63,9 +63,15 @@ def _require_policy_path(cfg: Any) -> None:
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file and a training run's folders."""
+    """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file, a training run's folders
+    and a Hugging Face model directory."""
+    from scratchlm.align.policy import is_hf_directory
+
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"run.out_dir {out_dir} exists and is not a directory")
+    if is_hf_directory(out_dir):  # its config.toml would make it read as a scratchlm run
+        raise UserError(f"run.out_dir {out_dir} is a Hugging Face model directory (it has a config.json): "
+                        "a scratchlm run written there would mix with the model; choose another run.out_dir")
     if (out_dir / "checkpoints").is_dir() or ((out_dir / "model.safetensors").is_file()
                                                and (out_dir / "config.toml").is_file()):
         raise UserError(f"run.out_dir {out_dir} is a training run or checkpoint: its config.toml and "
