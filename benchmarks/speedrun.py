@@ -46,6 +46,9 @@ decided which side compiled from scratch).
 
 ``--reference-json`` reads the reference side of each budget from an earlier call's JSON instead of
 running it (a sweep of recipes pays for the reference once).
+
+``--seed N`` seeds both sides (model initialisation and batch order) with N instead of the
+preset's seed: a second seed of a comparison is the same command with another ``--seed``.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +113,12 @@ def log_interval(eval_interval: int) -> int:
     """A tenth of the evaluation interval where that divides it, else the interval itself: every
     evaluation then has a train record at its step (and its seconds), and both sides log alike."""
     return eval_interval // 10 if eval_interval % 10 == 0 else eval_interval
+
+
+def seeded(shape: Shape, seed: int | None) -> Shape:
+    """`shape` with `seed` for both sides (`--trainer.seed`, which the reference's command reads
+    from the resolved config too), or unchanged for None (the preset's seed)."""
+    return shape if seed is None else replace(shape, overrides=(*shape.overrides, f"--trainer.seed={seed}"))
 
 
 def scratchlm_train_command(shape: Shape, *, budget_s: float, out: Path, data: dict[str, Any], eval_interval: int,
@@ -394,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the reference side of every budget from this earlier speedrun JSON (same data and "
                         "shape) instead of running it: a recipe sweep then runs scratchlm alone")
     p.add_argument("--eval-interval", type=int, help="steps between periodic evaluations (default: per shape)")
+    p.add_argument("--seed", type=int, help="seed of both sides' runs (default: the preset's), for a second seed of a comparison")
     p.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data" / "gutenberg")
     p.add_argument("--vocab-size", type=int, default=10_000, help="BPE vocabulary built from --data-dir")
     p.add_argument("--train-bin", help="an encoded training file (skips building the data)")
@@ -419,7 +429,7 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     out_json = args.out or args.work / "speedrun.json"
-    shape = SHAPES[args.shape]
+    shape = seeded(SHAPES[args.shape], args.seed)
     recipe_overrides(args.recipe)  # refuse a malformed recipe before anything runs
     cuda = torch.cuda.is_available()
     data = prepare_data(args)

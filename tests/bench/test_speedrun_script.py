@@ -112,6 +112,20 @@ def test_the_reference_command_line_has_the_shape_and_recipe_of_the_config(token
     assert args.lr == 3e-3 and args.min_lr == pytest.approx(3e-4) and args.compile  # the preset's min_lr / lr
 
 
+def test_a_seed_reaches_both_sides(tokens, tmp_path):
+    speedrun = load("speedrun")
+    shape = speedrun.seeded(speedrun.SHAPES["tiny"], 7)
+    assert speedrun.seeded(speedrun.SHAPES["tiny"], None) == speedrun.SHAPES["tiny"]
+    cmd = speedrun.scratchlm_train_command(shape, budget_s=5, out=tmp_path / "r", data=tokens, eval_interval=50,
+                                           recipe=[], cuda=False)
+    known = [o for o in split_overrides(cmd[4:])[1] if not o.startswith("--trainer.time_budget_s=")]
+    assert load_config(TrainConfig, "tiny-cpu", known).trainer.seed == 7
+    cfg = load_config(TrainConfig, shape.preset, [*shape.overrides, f"--model.vocab_size={VOCAB}"])
+    ref = speedrun.reference_command(cfg, budget_s=5, lr=1e-3, out=tmp_path / "ref", data=tokens, eval_interval=50,
+                                     cuda=False)
+    assert load("reference_trainer").build_parser().parse_args(ref[2:]).seed == 7
+
+
 def _write_run(run, records, batch_size=4, context_length=16):
     run.mkdir(parents=True)
     (run / "config.toml").write_text(
