@@ -245,3 +245,42 @@ def test_the_first_run_compiles_the_prefill(model):
         assert compiled_in_first >= 1 and engine._prefill_compiled_ran
         assert engine.run(prompts, [6, 6, 6], temperature=0) == expected
         assert counter.frame_count == compiled_in_first
+
+
+# ---- prefill replayed from CUDA graphs ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["model", "gqa_model"])
+def test_rows_padded_to_a_power_of_two_change_no_output(name, request):
+    # What prefill graphs add on the CPU: each chunk's last prompt repeated up to a power of two
+    # of rows (its copies write the same slot) and the width rounded up to PREFILL_BUCKET.
+    m = request.getfixturevalue(name)
+    prompts = _prompts(11, seed=9)
+    budgets = [3, 9, 1, 14, 6, 2, 11, 5, 8, 4, 7]
+    with torch.inference_mode():
+        expected = DecodeEngine(m, 3, 48).run(prompts, budgets, temperature=0)
+        padded = DecodeEngine(m, 3, 48)
+        padded._pad_prefill_rows, padded.prefill_bucket = True, PREFILL_BUCKET
+        assert padded.run(prompts, budgets, temperature=0) == expected  # refills of 1-3 rows
+        slots = [2, 0, 1]
+        torch.testing.assert_close(padded._prefill(slots, prompts[:3]), _prefill_row_by_row(padded, slots, prompts[:3]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_graphs_need_cuda_graphs_and_no_compile(model):
+    engine = DecodeEngine(model, 2, 16)  # on the CPU: no CUDA graphs
+    assert not engine.prefill_graphs and not engine._pad_prefill_rows and engine.prefill_bucket == 1
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_on_cuda_equal_the_eager_prefill():
+    for kw in ({}, {"num_kv_heads": 2, "qk_norm": True, "sliding_window": 24}):
+        m = peaked_cuda_lm(num_layers=2, context_length=600, **kw)
+        with torch.inference_mode():
+            graphs = DecodeEngine(m, 4, 192, len_bucket=64)
+            eager = DecodeEngine(m, 4, 192, len_bucket=64, prefill_graphs=False)
+            assert graphs.prefill_graphs and not eager.prefill_graphs
+            for seed in range(3):  # the same shapes again with other tokens: the graphs are replayed
+                prompts = _prompts(9, seed=seed, lo=5, hi=60)
+                budgets = [40 - 3 * i for i in range(9)]
+                assert graphs.run(prompts, budgets, temperature=0) == eager.run(prompts, budgets, temperature=0)
+            assert graphs._prefill_graph_cache  # (the first prefill of an engine runs eagerly)

@@ -121,7 +121,11 @@ class DecodeEngine:
     `cuda_graphs` (default: on CUDA) captures steps in CUDA graphs. `decode_attention`: "sdpa"
     (torch's fused attention over the step's window, masked), "triton" (a kernel that reads
     each row's keys up to its own position: `scratchlm.kernels.decode_attention_triton`) or
-    "auto" (the default: `default_decode_attention`).
+    "auto" (the default: `default_decode_attention`). `prefill_graphs` (default, with CUDA graphs
+    and without compile) replays each prefill forward from a CUDA graph captured for its number
+    of rows (padded to a power of two) and its width (padded to a multiple of PREFILL_BUCKET):
+    rollouts prefill batches of the same shapes step after step, and the eager forward's kernel
+    launches cost more host time than its kernels take on the GPU.
     `stack_projections` (default) keeps each layer's q|k|v and w1|w3 weights as one matrix each,
     refreshed from the model at every `run` (`scratchlm.infer.stacked`): fewer, larger matmuls a
     step, for a copy of those weights in memory (in the autocast dtype under autocast), made only
@@ -135,7 +139,7 @@ class DecodeEngine:
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "auto") -> None:
+                 decode_attention: str = "auto", prefill_graphs: bool = True) -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
@@ -171,11 +175,16 @@ class DecodeEngine:
         self.prefill_bucket = 1  # prefill widths are rounded up to a multiple of this
         # the widest prefill: within the cache and the model's positions
         self._prefill_cap = min(max_len, getattr(model, "context_length", max_len))
+        # Uncompiled prefills replayed from CUDA graphs, one per (rows, width) bucket (`_prefill_replayed`)
+        self.prefill_graphs = prefill_graphs and self.cuda_graphs and not (compile and cuda)
+        self._pad_prefill_rows = self.prefill_graphs  # chunks padded to a power of two of rows
         if compile and cuda:
             self._forward = self._compiled_step()
-            self.prefill_bucket = PREFILL_BUCKET
             self._prefill_forward = self._compiled_prefill()
+        if (compile and cuda) or self.prefill_graphs:
+            self.prefill_bucket = PREFILL_BUCKET
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._prefill_graph_cache: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
         # The state is updated in place by every run: normal tensors even for an engine built
@@ -325,11 +334,15 @@ class DecodeEngine:
         for chunk in chunks:
             T = max(len(prompts[i]) for i in chunk)
             T = min(-(-T // self.prefill_bucket) * self.prefill_bucket, self._prefill_cap)
-            ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in chunk],
+            # With padded rows the chunk's last prompt fills the bucket again: its copies write
+            # the same keys and values into the same slot, and their logits are dropped.
+            padded = chunk + [chunk[-1]] * ((1 << (len(chunk) - 1).bit_length()) - len(chunk)
+                                            if self._pad_prefill_rows else 0)
+            ids = torch.tensor([list(prompts[i]) + [0] * (T - len(prompts[i])) for i in padded],
                                dtype=torch.long, device=self.device)
-            last = torch.tensor([len(prompts[i]) - 1 for i in chunk], device=self.device)
-            rows = torch.tensor([slots[i] for i in chunk], device=self.device)
-            parts.append(self._prefill_call(ids, rows, last))
+            last = torch.tensor([len(prompts[i]) - 1 for i in padded], device=self.device)
+            rows = torch.tensor([slots[i] for i in padded], device=self.device)
+            parts.append(self._prefill_call(ids, rows, last)[:len(chunk)])
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, V), the prompts in `order`
         if order == list(range(n)):
             return logits
@@ -346,6 +359,8 @@ class DecodeEngine:
         it has worked, its errors are raised."""
         compiled = self._prefill_forward
         if compiled == self._prefill_logits:
+            if self.prefill_graphs and self.cache.k[0] is not None:  # (the first allocates the cache eagerly)
+                return self._prefill_replayed(ids, rows, last)
             return self._prefill_logits(ids, rows, last)
         if self.cache.k[0] is None:
             self._prefill_logits(ids, rows, last)
@@ -368,6 +383,42 @@ class DecodeEngine:
         T = ids.shape[1]
         view = PrefillView(self.cache, rows, T)
         return _lm_logits(self.model, ids, torch.arange(T, device=ids.device), view, last, self.head).float()
+
+    def _prefill_replayed(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
+        """`_prefill_logits` replayed from the CUDA graph of its (n, T) (captured on first use,
+        with its own input buffers); the logits are copied out of the graph's output, which the
+        next replay overwrites. A capture that fails turns prefill graphs off, with a warning."""
+        key = tuple(ids.shape)
+        held = self._prefill_graph_cache.get(key)
+        if held is None:
+            try:
+                held = self._prefill_graph_cache[key] = self._capture_prefill(ids, rows, last)
+            except Exception as exc:  # (the eager forward below rewrites the same cache slots)
+                why = " ".join(str(exc).split())[:300]
+                warnings.warn(f"prefill graph capture failed ({type(exc).__name__}: {why}); prefilling eagerly",
+                              RuntimeWarning, stacklevel=3)
+                self.prefill_graphs = False
+                return self._prefill_logits(ids, rows, last)
+        graph, inputs, logits = held
+        for buffer, value in zip(inputs, (ids, rows, last)):
+            buffer.copy_(value)
+        graph.replay()
+        return logits.clone()
+
+    def _capture_prefill(self, ids: Tensor, rows: Tensor, last: Tensor):
+        with torch.inference_mode(False):  # input buffers written in or out of inference mode
+            inputs = tuple(x.clone() for x in (ids, rows, last))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture; it writes what the call will
+            self._prefill_logits(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._prefill_logits(*inputs)
+        return graph, inputs, logits
 
     def _compiled_prefill(self, backend="inductor"):
         """`_prefill_logits` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
@@ -418,6 +469,7 @@ class DecodeEngine:
                 new = copies.refresh(dtype) or new
         if new:
             self._graphs.clear()
+            self._prefill_graph_cache.clear()
 
     # ---- the loop -------------------------------------------------------------------------
 
