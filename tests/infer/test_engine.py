@@ -277,3 +277,35 @@ def test_hf_qwen2_greedy_generate_equals_the_engine():
                                                                             temperature=0.0)
         assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
         assert len({tuple(c.token_ids) for c in ours}) > 1
+
+
+def test_graph_capture_turns_autocast_cache_off_and_keeps_autocast():
+    from scratchlm.infer.engine import _uncached_autocast
+
+    with _uncached_autocast("cpu"):  # no autocast: nothing changes
+        assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        with _uncached_autocast("cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert not torch.is_autocast_cache_enabled()
+        assert torch.is_autocast_cache_enabled()
+
+
+@pytest.mark.gpu
+def test_captured_steps_see_weights_updated_between_runs_under_autocast():
+    # Under no_grad (every torch version caches cast weights there) and bf16 autocast, a weight
+    # that reaches the step through autocast's cast (not a stacked or padded copy), changed
+    # between runs, must change what the captured steps compute.
+    m = peaked_cuda_lm(num_layers=2, context_length=600)
+    prompts = [list(range(1, 30)), [5, 6], list(range(40, 57))]
+    engine = DecodeEngine(m, 3, 128, len_bucket=64)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        engine.run(prompts, [30, 30, 30], temperature=0)
+    with torch.no_grad():
+        for block in m.layers:
+            block.attn.output_proj.weight.mul_(-1.0)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = engine.run(prompts, [30, 30, 30], temperature=0)
+        fresh = DecodeEngine(m, 3, 128, len_bucket=64).run(prompts, [30, 30, 30], temperature=0)
+    assert got == fresh

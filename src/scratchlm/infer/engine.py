@@ -35,9 +35,11 @@ call for an 11M-parameter, 6-layer model on an H100, a third of a batch of short
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch._inductor.config
@@ -90,6 +92,21 @@ def _recompile_limits(at_least: int) -> dict[str, int]:
     names = (("recompile_limit", "accumulated_recompile_limit") if hasattr(config, "recompile_limit")
              else ("cache_size_limit", "accumulated_cache_size_limit"))
     return {name: max(getattr(config, name), at_least) for name in names}
+
+
+@contextlib.contextmanager
+def _uncached_autocast(device_type: str):
+    """The caller's autocast, if any, with its cache of cast weights off: for warming up and
+    capturing a CUDA graph. A cast weight that the cache serves inside a capture is read by the
+    graph at the cached copy's address, which never sees the weight's later updates and which the
+    cache frees when the caller's autocast region ends (torch versions that cache under
+    inference mode, and every version under no_grad); uncached, the graph casts the weights as
+    they are at every replay."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield
 
 
 def default_decode_attention(model: nn.Module, device: torch.device) -> str:
@@ -300,22 +317,34 @@ class DecodeEngine:
 
     def _capture(self, b: int, L: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         saved = [t.clone() for t in self._state()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture: compilation, library handles
-            for _ in range(2):
-                self._step_body(b, L, greedy)
-                for t, s in zip(self._state(), saved):
-                    t.copy_(s)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step_body(b, L, greedy)
-        for t, s in zip(self._state(), saved):
-            t.copy_(s)
+
+        def restore() -> None:  # the warm-up steps and the capture leave the state as they found it
+            for t, s in zip(self._state(), saved):
+                t.copy_(s)
+
+        graph, logits = self._record_graph(lambda: self._step_body(b, L, greedy), warmups=2, after_warmup=restore)
+        restore()
         return graph, logits
+
+    def _record_graph(self, body, *, warmups: int, after_warmup=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """`body()` captured in a CUDA graph from the engine's memory pool, and its output, after
+        `warmups` runs on a side stream (compilation, library handles), each followed by
+        `after_warmup()`; all with autocast's cache of cast weights off (`_uncached_autocast`)."""
+        with _uncached_autocast(self.device.type):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmups):
+                    body()
+                    if after_warmup is not None:
+                        after_warmup()
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = body()
+        return graph, out
 
     # ---- prefill, refill, compaction ------------------------------------------------------
 
@@ -408,16 +437,8 @@ class DecodeEngine:
     def _capture_prefill(self, ids: Tensor, rows: Tensor, last: Tensor):
         with torch.inference_mode(False):  # input buffers written in or out of inference mode
             inputs = tuple(x.clone() for x in (ids, rows, last))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture; it writes what the call will
-            self._prefill_logits(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._prefill_logits(*inputs)
+        # (the warm-up writes into the cache what the call will)
+        graph, logits = self._record_graph(lambda: self._prefill_logits(*inputs), warmups=1)
         return graph, inputs, logits
 
     def _compiled_prefill(self, backend="inductor"):
