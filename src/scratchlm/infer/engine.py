@@ -60,6 +60,10 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # which torch.compile would specialise on, for little padding.
 PREFILL_BUCKET = 16
 
+# The most (rows, width) shapes of prefill an engine captures in CUDA graphs (`prefill_graphs`):
+# rollouts repeat a few shapes; prompts of many lengths would otherwise capture graph after graph.
+PREFILL_GRAPHS_KEPT = 8
+
 
 def batch_buckets(slots: int) -> list[int]:
     """The step sizes a batch of `slots` rows shrinks through: powers of two below it, then it.
@@ -416,9 +420,13 @@ class DecodeEngine:
     def _prefill_replayed(self, ids: Tensor, rows: Tensor, last: Tensor) -> Tensor:
         """`_prefill_logits` replayed from the CUDA graph of its (n, T) (captured on first use,
         with its own input buffers); the logits are copied out of the graph's output, which the
-        next replay overwrites. A capture that fails turns prefill graphs off, with a warning."""
+        next replay overwrites. At most PREFILL_GRAPHS_KEPT shapes are captured (each keeps its
+        output and inputs, and capturing costs a forward's time); others run eagerly. A capture
+        that fails turns prefill graphs off, with a warning."""
         key = tuple(ids.shape)
         held = self._prefill_graph_cache.get(key)
+        if held is None and len(self._prefill_graph_cache) >= PREFILL_GRAPHS_KEPT:
+            return self._prefill_logits(ids, rows, last)  # a shape past the kept ones: eagerly
         if held is None:
             try:
                 held = self._prefill_graph_cache[key] = self._capture_prefill(ids, rows, last)
