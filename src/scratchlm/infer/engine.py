@@ -98,6 +98,14 @@ def _recompile_limits(at_least: int) -> dict[str, int]:
     return {name: max(getattr(config, name), at_least) for name in names}
 
 
+def _warn_prefilling_eagerly(what: str, exc: Exception, stacklevel: int) -> None:
+    """The one-line warning of a faster prefill path (`what`) that failed and is dropped for the
+    eager one; `stacklevel` as the caller would pass it to `warnings.warn`."""
+    why = " ".join(str(exc).split())[:300]
+    warnings.warn(f"{what} failed ({type(exc).__name__}: {why}); prefilling eagerly", RuntimeWarning,
+                  stacklevel=stacklevel + 1)
+
+
 @contextlib.contextmanager
 def _uncached_autocast(device_type: str):
     """The caller's autocast, if any, with its cache of cast weights off: for warming up and
@@ -402,9 +410,7 @@ class DecodeEngine:
         try:
             out = compiled(ids, rows, last)
         except Exception as exc:  # (rerunning eagerly rewrites the same cache slots)
-            why = " ".join(str(exc).split())[:300]  # one line
-            warnings.warn(f"compiled prefill failed ({type(exc).__name__}: {why}); prefilling eagerly",
-                          RuntimeWarning, stacklevel=2)
+            _warn_prefilling_eagerly("compiled prefill", exc, stacklevel=2)
             self._prefill_forward = self._prefill_logits
             return self._prefill_logits(ids, rows, last)
         self._prefill_compiled_ran = True
@@ -425,15 +431,13 @@ class DecodeEngine:
         that fails turns prefill graphs off, with a warning."""
         key = tuple(ids.shape)
         held = self._prefill_graph_cache.get(key)
-        if held is None and len(self._prefill_graph_cache) >= PREFILL_GRAPHS_KEPT:
-            return self._prefill_logits(ids, rows, last)  # a shape past the kept ones: eagerly
         if held is None:
+            if len(self._prefill_graph_cache) >= PREFILL_GRAPHS_KEPT:
+                return self._prefill_logits(ids, rows, last)  # a shape past the kept ones: eagerly
             try:
                 held = self._prefill_graph_cache[key] = self._capture_prefill(ids, rows, last)
             except Exception as exc:  # (the eager forward below rewrites the same cache slots)
-                why = " ".join(str(exc).split())[:300]
-                warnings.warn(f"prefill graph capture failed ({type(exc).__name__}: {why}); prefilling eagerly",
-                              RuntimeWarning, stacklevel=3)
+                _warn_prefilling_eagerly("prefill graph capture", exc, stacklevel=3)
                 self.prefill_graphs = False
                 return self._prefill_logits(ids, rows, last)
         graph, inputs, logits = held
