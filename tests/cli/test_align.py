@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scratchlm.align.config import GRPORunConfig, SFTRunConfig
+from scratchlm.align.config import DPORunConfig, ExpertIterationRunConfig, GRPORunConfig, SFTRunConfig
 from scratchlm.align.policy import load_policy
 from scratchlm.cli import main
 from scratchlm.config import ConfigError, load_config
@@ -47,10 +47,32 @@ def test_presets_load_with_overrides():
     (SFTRunConfig, "align-sft", "--optim.min_lr_ratio=2", "optim.min_lr_ratio must be in"),
     (GRPORunConfig, "align-grpo", "--grpo.group_size=0", "grpo.group_size must be >= 1"),  # ZeroDivisionError
     (GRPORunConfig, "align-grpo", "--grpo.grad_accum_steps=0", "grpo.grad_accum_steps must be >= 1"),
+    # an infinite rate or decay trained to NaN weights; infinite epochs were an OverflowError after the first eval
+    (SFTRunConfig, "align-sft", "--optim.lr=inf", "optim.lr must be a finite number"),
+    (SFTRunConfig, "align-sft", "--optim.weight_decay=inf", "optim.weight_decay must be a finite number"),
+    (SFTRunConfig, "align-sft", "--sft.num_epochs=inf", "sft.num_epochs must be a finite number"),
+    (SFTRunConfig, "align-sft", "--sft.normalize_constant=inf", "sft.normalize_constant must be a finite number"),
+    (SFTRunConfig, "align-sft", "--sampling.temperature=inf", "sampling.temperature must be a finite number"),
+    (ExpertIterationRunConfig, "align-ei", "--ei.sft_epochs=inf", "ei.sft_epochs must be a finite number"),
+    (DPORunConfig, "dpo", "--dpo.beta=inf", "dpo.beta must be a finite number"),  # NaN loss
+    (DPORunConfig, "dpo", "--dpo.num_epochs=inf", "dpo.num_epochs must be a finite number"),
+    (SFTRunConfig, "align-sft", "--run.seed=-1", r"run.seed must be in \[0, 2\*\*32\)"),
+    (DPORunConfig, "dpo", "--run.seed=99999999999999999999999", r"run.seed must be in \[0, 2\*\*32\)"),
+    # the group's mean is its only reward: advantages all 0, or NaN divided by the group's std
+    (GRPORunConfig, "align-grpo", "--grpo.group_size=1", "grpo.group_size must be >= 2"),
+    (GRPORunConfig, "align-grpo", "--grpo.normalize_constant=-1", "grpo.normalize_constant must be >= 0"),  # flipped sign
+    (GRPORunConfig, "align-grpo", "--grpo.cliprange=-0.2", "grpo.cliprange must be >= 0"),
+    (GRPORunConfig, "align-grpo", "--grpo.advantage_eps=-1", "grpo.advantage_eps must be >= 0"),
+    (GRPORunConfig, "align-grpo", "--grpo.max_seconds=-5", "grpo.max_seconds must be >= 0"),
 ])
 def test_out_of_range_settings_are_config_errors(cls, preset, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(cls, preset, [override])
+
+
+def test_group_size_one_is_allowed_without_a_baseline():
+    cfg = load_config(GRPORunConfig, "align-grpo", ["--grpo.group_size=1", "--grpo.loss_type=no_baseline"])
+    assert cfg.grpo.group_size == 1
 
 
 def test_sft_command_writes_metrics_evals_and_policy(tiny_policy, tmp_path):

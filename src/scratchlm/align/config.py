@@ -8,7 +8,17 @@ samples nothing, so it has its own data section and no sampling one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+
+
+def _check_finite(section: str, config: object) -> None:
+    """ValueError naming the first float field of `config` that is infinite (an infinite rate
+    or epoch count trains to NaN or never ends; NaN is refused when the config is read)."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{section}.{f.name} must be a finite number, got {value}")
 
 
 def _check_at_least(section: str, minimum: int, **values: int) -> None:
@@ -69,6 +79,7 @@ class OptimConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
+        _check_finite("optim", self)
         for name in ("lr", "weight_decay", "eps", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
@@ -97,6 +108,7 @@ class SFTConfig:
     mask_prompt: bool = True  # packed: no loss on prompt tokens; false trains on every token (plain LM)
 
     def __post_init__(self) -> None:
+        _check_finite("sft", self)
         if not self.packed and not self.mask_prompt:
             raise ValueError("sft.mask_prompt = false needs sft.packed = true (unpacked SFT always masks the prompt)")
         if self.pack_length < 0:
@@ -120,6 +132,7 @@ class SamplingConfig:
     eval_max_new_tokens: int = 512
 
     def __post_init__(self) -> None:
+        _check_finite("sampling", self)
         if self.temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -139,6 +152,7 @@ class ExpertIterationConfig:
     sft_epochs: float = 1.0  # SFT epochs over each step's kept responses
 
     def __post_init__(self) -> None:
+        _check_finite("ei", self)
         _check_at_least("ei", 0, n_ei_steps=self.n_ei_steps)
         _check_at_least("ei", 1, questions_per_step=self.questions_per_step, group_size=self.group_size)
         _check_positive("ei", sft_epochs=self.sft_epochs)
@@ -169,6 +183,7 @@ class GRPOConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
+        _check_finite("grpo", self)
         if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"):
             raise ValueError(f"grpo.loss_type must be no_baseline, reinforce_with_baseline or grpo_clip, "
                              f"got {self.loss_type!r}")
@@ -178,6 +193,13 @@ class GRPOConfig:
         _check_at_least("grpo", 1, rollout_batch_size=self.rollout_batch_size, group_size=self.group_size,
                         train_batch_size=self.train_batch_size, grad_accum_steps=self.grad_accum_steps,
                         epochs_per_rollout_batch=self.epochs_per_rollout_batch)
+        if self.group_size == 1 and self.loss_type != "no_baseline":
+            # The group's mean is its one reward: every advantage is 0 (NaN when divided by the std).
+            raise ValueError(f"grpo.group_size must be >= 2 for grpo.loss_type = {self.loss_type!r}, which "
+                             "compares the responses of a group; use group_size >= 2 or loss_type = no_baseline")
+        for name in ("advantage_eps", "normalize_constant", "cliprange", "max_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"grpo.{name} must be >= 0, got {getattr(self, name)}")
         if self.rollout_batch_size % self.group_size:
             raise ValueError("grpo.rollout_batch_size must be a multiple of grpo.group_size")
         if self.rollout_batch_size % self.train_batch_size:
@@ -198,6 +220,7 @@ class PreferenceDataConfig:
     template: str = "r1_zero"  # prompt format of the arith pairs (JSONL prompts are used verbatim)
 
     def __post_init__(self) -> None:
+        _check_finite("data", self)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         _check_at_least("data", 0, limit=self.limit, eval_limit=self.eval_limit)
@@ -217,6 +240,7 @@ class DPOConfig:
     log_every: int = 10  # optimizer steps between metric lines
 
     def __post_init__(self) -> None:
+        _check_finite("dpo", self)
         if self.beta <= 0:
             raise ValueError(f"dpo.beta must be positive, got {self.beta}")
         if self.micro_batch_size < 1 or self.grad_accum_steps < 1:
@@ -233,6 +257,10 @@ class RunConfig:
     out_dir: str = "runs/align"  # metrics.jsonl, eval JSONL files and the final policy
     seed: int = 0
     progress: bool = True  # tqdm bars
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**32:  # numpy's range, as the other commands' seeds
+            raise ValueError(f"run.seed must be in [0, 2**32), got {self.seed}")
 
 
 @dataclass
