@@ -142,6 +142,20 @@ def test_resume_refuses_a_different_model(cfg, tmp_path):
         run_training(other, resume=True)
 
 
+def test_resume_without_the_run_config_refuses_weights_of_another_shape(cfg, tmp_path):
+    # Without RUN/config.toml to compare, this was torch's RuntimeError from load_state_dict.
+    run_training(cfg)
+    run = tmp_path / "run"
+    (run / "config.toml").unlink()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    other = replace(cfg, model=replace(cfg.model, d_ff=64))
+    with pytest.raises(UserError, match=r"step_000012/model.safetensors do not fit this config's model: "
+                                        r"\S+ has shape"):
+        run_training(other, resume=True)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert [s for s, _ in _losses(run)][-1] == 12
+
+
 # fields that do not change the trained weights' meaning: one picks the initialisation (the
 # weights come from the checkpoint), the other how the same maths runs
 @pytest.mark.parametrize("line, change", [('qkv_init = "fused"', dict(qkv_init="separate")),

@@ -583,9 +583,12 @@ def read_model_config(config_toml: Path):
     return from_dict(ModelConfig, model, where="model")
 
 
-def _check_weights_fit(model: torch.nn.Module, state: Any, where: Path) -> None:
-    """Refuse weights that are not those of the model the checkpoint's config describes (a config
-    edited or copied from another run), naming the first difference rather than torch's list of all."""
+def check_weights_fit(model: torch.nn.Module, state: Any, where: Path, *,
+                      model_is: str = "the model its config describes",
+                      hint: str = "the config or the weights come from another run") -> None:
+    """Refuse weights that are not those of `model` (by default the model the checkpoint's config
+    describes: a config edited or copied from another run), naming the first difference rather
+    than torch's list of all."""
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"{where} is not a model checkpoint (its weights are not a dict of tensors)")
     expected = model.state_dict()
@@ -602,8 +605,7 @@ def _check_weights_fit(model: torch.nn.Module, state: Any, where: Path) -> None:
         first = f"{len(missing)} tensor(s) the config's model needs are missing, e.g. {missing[0]}"
     else:
         first = f"{len(unexpected)} tensor(s) are not in the config's model, e.g. {unexpected[0]}"
-    raise UserError(f"the weights of {where} do not fit the model its config describes: {first}; "
-                    "the config or the weights come from another run")
+    raise UserError(f"the weights of {where} do not fit {model_is}: {first}; {hint}")
 
 
 def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -643,7 +645,7 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         if (where.parent / "tokenizer").is_dir():
             tokenizer_dir = where.parent / "tokenizer"
     model = build_model(cfg, device=device)
-    _check_weights_fit(model, state, where)
+    check_weights_fit(model, state, where)
     model.load_state_dict(state)
     model.eval()
     tokenizer = None

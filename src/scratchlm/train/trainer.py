@@ -547,6 +547,8 @@ class Trainer:
         return path
 
     def _resume(self, step_dir: Path | None) -> None:
+        from scratchlm.model.transformer import build_model
+
         if step_dir is None:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             if self.is_main:
@@ -561,6 +563,10 @@ class Trainer:
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
         weights = ckpt.load_weights(step_dir / ckpt.WEIGHTS)
+        # The run's config.toml, which `run_training` compares first, may be missing or edited.
+        ckpt.check_weights_fit(build_model(self.cfg.model, device="meta"), weights, step_dir / ckpt.WEIGHTS,
+                               model_is="this config's model",
+                               hint="resume with the model settings the run trained with")
         self.strategy.load_full_state_dict(self.model, weights)
         self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
         self.data.load_state_dict(state["sampler"])
