@@ -151,6 +151,14 @@ def test_accumulation_matches_one_big_microbatch(tiny_policy, monkeypatch):
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5) and rows[0]["loss"] != pytest.approx(math.log(2))
 
 
+def test_fewer_pairs_than_a_microbatch_report_the_mean_over_the_microbatch(tiny_policy):
+    """One pair and micro_batch_size=2: the microbatch holds it twice, so the loss at the reference
+    is log 2 (it was halved: one pair's loss summed, divided by two)."""
+    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=1, max_steps=1)
+    history = dpo_train(tiny_policy, arithmetic_preference_pairs(1), dpo=dpo, optim=OptimConfig(lr=0.0))
+    assert history[-1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 def test_save_every_calls_back(tiny_policy):
     saved = []
     dpo_train(tiny_policy, arithmetic_preference_pairs(4), dpo=DPOConfig(micro_batch_size=2, grad_accum_steps=1,

@@ -152,7 +152,7 @@ def _shuffled_microbatches(n: int, size: int, seed: int) -> Iterator[list[int]]:
     rng = random.Random(seed)
     order: list[int] = []
     while True:
-        if len(order) < size:
+        while len(order) < size:  # fewer pairs than `size`: the list takes several passes
             fresh = list(range(n))
             rng.shuffle(fresh)
             order += fresh
