@@ -88,6 +88,28 @@ def test_hf_policy_from_a_random_llama(tiny_tokenizer, tmp_path):
     assert len(sampled) == 2
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("config", "cannot load the model .*OSError"),  # was transformers' OSError, exit 1
+    ("model_type", "cannot load the model .*ValueError: Unrecognized model"),
+    ("weights", "cannot load the model .*SafetensorError"),
+    ("tokenizer", "cannot load the tokenizer"),
+])
+def test_a_damaged_hf_directory_is_a_user_error(tiny_tokenizer, tmp_path, damage, message):
+    pytest.importorskip("transformers")
+    path = _save_random_llama(tmp_path, tiny_tokenizer)
+    if damage == "config":
+        (path / "config.json").write_text("{", encoding="utf-8")
+    elif damage == "model_type":
+        (path / "config.json").write_text("{}", encoding="utf-8")
+    elif damage == "weights":
+        (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:100])
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (path / name).unlink(missing_ok=True)
+    with pytest.raises(UserError, match=message):
+        load_policy(path)
+
+
 def test_hf_export_generates_what_the_scratch_policy_generates(tiny_policy, tmp_path):
     pytest.importorskip("transformers")
     from scratchlm.model.hf import export_hf

@@ -298,6 +298,19 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and not (p / "checkpoints").is_dir()
 
 
+def _load_hf(auto_class: Any, path: str | os.PathLike, what: str) -> Any:
+    """`auto_class.from_pretrained(path)`; a directory transformers cannot read (a damaged
+    config.json or weights, an unknown model type, no tokenizer files) is a UserError."""
+    from safetensors import SafetensorError
+
+    try:
+        return auto_class.from_pretrained(path)
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise UserError(f"{path}: transformers cannot load the {what} of this Hugging Face directory "
+                        f"({type(exc).__name__}: {lines[0] if lines else 'no message'})") from exc
+
+
 def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu") -> ScratchPolicy | HFPolicy:
     """A policy from a scratchlm run/step directory or checkpoint file, or a local HF model directory."""
     device = torch.device(device)
@@ -306,9 +319,8 @@ def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError:
             raise UserError(f"{path} is a Hugging Face model directory, which needs the 'transformers' package")
-        model = AutoModelForCausalLM.from_pretrained(path).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return HFPolicy(model, tokenizer)
+        model = _load_hf(AutoModelForCausalLM, path, "model").to(device)
+        return HFPolicy(model, _load_hf(AutoTokenizer, path, "tokenizer"))
     from scratchlm.train.checkpoint import load_trained_model
 
     model, cfg, tokenizer = load_trained_model(path, device)
