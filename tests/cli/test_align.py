@@ -209,6 +209,27 @@ def test_a_failed_rerun_leaves_the_earlier_result_alone(tiny_policy, tmp_path, c
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.parametrize("command, preset, options", [
+    ("sft", "align-sft", ["--sft.max_steps=1", *COMMON]),
+    ("grpo", "align-grpo", ["--grpo.n_grpo_steps=1", "--grpo.rollout_batch_size=4", "--grpo.group_size=2",
+                            "--grpo.train_batch_size=4", "--grpo.grad_accum_steps=2", *COMMON]),
+    ("dpo", "dpo", ["--dpo.max_steps=1", "--data.limit=4", "--data.eval_limit=2", "--policy.device=cpu",
+                    "--run.progress=false"]),
+])
+def test_the_starting_policy_may_not_be_the_one_the_run_saves(tiny_policy, tmp_path, capsys, command, preset, options):
+    # A second run into the first one's run.out_dir, starting from its policy/, saved over the
+    # starting checkpoint (or pruned it for a higher step number).
+    out = tmp_path / "run"
+    tiny_policy.save(out / "policy", step=3)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    step = out / "policy" / "checkpoints" / "step_000003"
+    for start in (out / "policy", step):
+        code = main([command, preset, f"--policy.path={start}", f"--run.out_dir={out}", *options])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "where this run saves its policy over it" in err and "\n" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_grpo_refuses_a_training_set_smaller_than_a_rollout_batch(tiny_policy, tmp_path, capsys):
     tiny_policy.save(tmp_path / "base")
     out = tmp_path / "grpo"

@@ -90,6 +90,12 @@ def _start(cfg: Any):
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
     _check_out_dir(out_dir)
+    saved = (out_dir / "policy").resolve()
+    start = Path(cfg.policy.path).resolve()
+    if start == saved or saved in start.parents:
+        # policy/ is rewritten (and its older steps pruned): the starting model would be lost.
+        raise UserError(f"policy.path {cfg.policy.path} is inside {out_dir / 'policy'}, where this run saves its "
+                        "policy over it; choose another run.out_dir")
     policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
