@@ -12,6 +12,7 @@ from scratchlm.align.grpo import grpo_train
 from scratchlm.align.prompts import get_template
 from scratchlm.align.sft import encode_pairs, sft_train
 from scratchlm.align.task import ArithmeticTask, arithmetic_reward
+from scratchlm.errors import UserError
 
 TEMPLATE = get_template("r1_zero")
 
@@ -29,6 +30,15 @@ def test_encode_pairs_appends_eos_and_fits_the_context(tiny_policy):
     assert r[-1] == tiny_policy.eos_id and p == tiny_policy.encode("Start with 3.")
     long = encode_pairs(tiny_policy, [("Start", " 7" * 400)])
     assert len(long[0][0]) + len(long[0][1]) == tiny_policy.context_length + 1
+
+
+def test_sft_refuses_pairs_that_all_fill_the_context(tiny_policy):
+    # Returned no steps, and the command saved the starting policy as the fine-tuned one.
+    start = _params(tiny_policy.model)
+    with pytest.raises(UserError, match="no SFT pair fits the model's context of 160 tokens"):
+        sft_train(tiny_policy, [(" 7" * 400, " 7")], sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
+                  optim=OptimConfig(lr=1e-2))
+    assert all(torch.equal(a, b) for a, b in zip(start, _params(tiny_policy.model)))
 
 
 def test_sft_memorises_worked_solutions_and_stops(tiny_policy):

@@ -180,8 +180,11 @@ def sft_train(
         items, microbatches = len(packed), _packed_microbatches(packed, sft.micro_batch_size, policy.device)
     else:
         data = encode_pairs(policy, pairs)
-        if not data:
-            return []
+        if not data:  # a silent no-op would save the starting policy as the fine-tuned one
+            from scratchlm.errors import UserError
+
+            raise UserError(f"no SFT pair fits the model's context of {policy.context_length} tokens (every "
+                            "prompt fills it); use a model with a longer context or shorter prompts")
         items, microbatches = len(data), _padded_microbatches(policy, data, sft.micro_batch_size, seed)
     batch = sft.micro_batch_size * sft.grad_accum_steps
     total = sft.max_steps or max(1, math.ceil(sft.num_epochs * items / batch))
