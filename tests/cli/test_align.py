@@ -64,6 +64,9 @@ def test_presets_load_with_overrides():
     (GRPORunConfig, "align-grpo", "--grpo.cliprange=-0.2", "grpo.cliprange must be >= 0"),
     (GRPORunConfig, "align-grpo", "--grpo.advantage_eps=-1", "grpo.advantage_eps must be >= 0"),
     (GRPORunConfig, "align-grpo", "--grpo.max_seconds=-5", "grpo.max_seconds must be >= 0"),
+    # rollouts of no tokens: nothing rewarded, nothing learnt (grpo's constant normalisation: a ValueError)
+    (GRPORunConfig, "align-grpo", "--sampling.max_new_tokens=0", "sampling.max_new_tokens must be >= 1"),
+    (ExpertIterationRunConfig, "align-ei", "--sampling.max_new_tokens=0", "sampling.max_new_tokens must be >= 1"),
 ])
 def test_out_of_range_settings_are_config_errors(cls, preset, override, message):
     with pytest.raises(ConfigError, match=message):

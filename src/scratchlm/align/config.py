@@ -263,6 +263,12 @@ class RunConfig:
             raise ValueError(f"run.seed must be in [0, 2**32), got {self.seed}")
 
 
+def _check_rollout_tokens(sampling: SamplingConfig) -> None:
+    """Rollouts of no tokens earn no reward and give no gradient: the run would change nothing."""
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"sampling.max_new_tokens must be >= 1 for rollouts, got {sampling.max_new_tokens}")
+
+
 @dataclass
 class AlignRunConfig:
     """The sections every post-training command reads; each command's root config adds its own."""
@@ -287,12 +293,18 @@ class ExpertIterationRunConfig(SFTRunConfig):
 
     ei: ExpertIterationConfig = field(default_factory=ExpertIterationConfig)
 
+    def __post_init__(self) -> None:
+        _check_rollout_tokens(self.sampling)
+
 
 @dataclass
 class GRPORunConfig(AlignRunConfig):
     """`scratchlm grpo`."""
 
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        _check_rollout_tokens(self.sampling)
 
 
 @dataclass
