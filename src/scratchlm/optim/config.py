@@ -41,6 +41,9 @@ class OptimConfig:
                 raise ValueError(f"optim.{name} must be a finite number, got {value}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optim.lr and optim.min_lr must be >= 0, got {self.lr} and {self.min_lr}")
+        if self.min_lr > self.lr and self.schedule != "constant":
+            raise ValueError(f"optim.min_lr ({self.min_lr:g}) is above optim.lr ({self.lr:g}): the {self.schedule} "
+                             f"decay would raise the rate; set optim.min_lr <= optim.lr")
         if self.name not in OPTIMIZER_NAMES:
             raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
         if self.muon_lr is not None and self.muon_lr < 0:
@@ -59,3 +62,6 @@ class OptimConfig:
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps < 0:
             raise ValueError("optim.grad_clip, optim.weight_decay and optim.eps must be >= 0")
+        if self.eps == 0:  # AdamW's m / (sqrt(v) + eps) is 0 / 0 for a weight whose gradients were all 0
+            raise ValueError("optim.eps must be > 0: with 0, AdamW turns weights whose gradient is 0 "
+                             "(e.g. embeddings of unseen tokens) into NaN")
