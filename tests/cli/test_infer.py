@@ -76,6 +76,23 @@ def test_generate_command_refuses_a_tokenizer_larger_than_the_model(ckpt):
         generate_command([str(ckpt), "--prompt", "ab", "--device", "cpu"])
 
 
+def test_generate_command_shows_ids_of_a_padded_vocabulary_as_replacement_characters(tmp_path, capsys):
+    # vocab_size padded above the tokenizer's 257 tokens: an untrained model samples ids 257..511
+    # about half the time, which made decoding raise "token id ... is not in the vocabulary".
+    torch.manual_seed(0)
+    tokenizer_mod.Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tokenizer")
+    model = build_model(ModelConfig(vocab_size=512, context_length=32, d_model=32, num_layers=2, num_heads=4,
+                                    d_ff=64))
+    path = tmp_path / "model.pt"
+    checkpoint.save_checkpoint(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, path)
+    assert generate_command([str(path), "--prompt", "ab", "--max-new-tokens", "20", "--temperature", "1",
+                             "--top-k", "0", "--top-p", "1", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"note: \d+ sampled token\(s\) are ids the tokenizer \(257 tokens\) does not have "
+                     r"\(the model's vocab_size is 512\)", captured.err)
+    assert "\ufffd" in captured.out.splitlines()[1]
+
+
 @pytest.mark.parametrize("value", ["nan", "-1", "inf"])
 def test_generate_command_rejects_bad_temperature(ckpt, value):
     with pytest.raises(UserError, match="--temperature must be a number >= 0"):

@@ -94,6 +94,13 @@ def test_decode_replaces_invalid_utf8_and_rejects_unknown_ids(trained):
     assert issubclass(UnknownTokenError, ValueError) and issubclass(UnknownTokenError, UserError)
 
 
+def test_decode_can_show_unknown_ids_as_given_text(trained):
+    # For ids sampled from the padding rows of a model whose vocab_size is above the tokenizer's.
+    ids = [*trained.encode("ab"), trained.vocab_size, *trained.encode("c"), 10**9]
+    assert trained.decode(ids, unknown="\ufffd") == "ab\ufffdc\ufffd"
+    assert trained.decode(trained.encode("abc"), unknown="?") == "abc"
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 4096])
 def test_encode_iterable_equals_encode(trained, tinystories_text, chunk):
     text = tinystories_text[:150_000].replace("\n\n", EOT) + "  trailing  "

@@ -121,10 +121,15 @@ def generate_command(argv: list[str]) -> int:
     )
     seconds = time.perf_counter() - start
     total = sum(len(o) for o in outs)
+    # A model's vocab_size may be padded above the tokenizer's: ids of those rows have no text.
+    outside = sum(t not in tokenizer.vocab for out in outs for t in out)
+    if outside:
+        print(f"note: {outside} sampled token(s) are ids the tokenizer ({tokenizer.vocab_size} tokens) does not "
+              f"have (the model's vocab_size is {cfg.vocab_size}); each is shown as U+FFFD", file=sys.stderr)
     for i, (text, out) in enumerate(zip(texts, outs)):
         completion = out[:-1] if out and out[-1] == eos_id else out
         print(f"--- sample {i + 1}/{len(outs)} ({len(out)} tokens) ---")
-        print(text + tokenizer.decode(completion))
+        print(text + tokenizer.decode(completion, unknown="\ufffd"))
     cache = "off" if args.no_kv_cache else "on"
     print(f"--- {total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tokens/s "
           f"(device {device}, {dtype}, batch {len(prompts)}, KV cache {cache}) ---")

@@ -620,6 +620,11 @@ class Tokenizer:
             raise UnknownTokenError(f"token id {bad!r} is not in the vocabulary "
                                     f"(size {self.vocab_size})") from None
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the tokens; invalid UTF-8 becomes U+FFFD."""
+    def decode(self, ids: Iterable[int], *, unknown: str | None = None) -> str:
+        """Text of the tokens; invalid UTF-8 becomes U+FFFD. With `unknown`, an id that is not in
+        the vocabulary (e.g. sampled from the padding rows of a model whose vocab_size is above
+        the tokenizer's) decodes to that text instead of raising `UnknownTokenError`."""
+        if unknown is not None:
+            fill = unknown.encode("utf-8")
+            return b"".join(self.vocab.get(i, fill) for i in ids).decode("utf-8", errors="replace")
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

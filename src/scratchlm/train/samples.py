@@ -40,7 +40,9 @@ def write_samples(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path, devic
     budget = min(tc.sample_tokens, cfg.model.context_length - max(len(r) for r in rows))
     outs = generate(model, rows, budget, temperature=tc.sample_temperature, top_p=tc.sample_top_p,
                     eos_id=eos_id, seed=tc.seed)
-    texts = [prompt + tokenizer.decode([t for t in out if t != eos_id]) for prompt, out in zip(prompts, outs)]
+    # Ids of a vocab_size padded above the tokenizer's have no text: U+FFFD, as for invalid UTF-8.
+    texts = [prompt + tokenizer.decode([t for t in out if t != eos_id], unknown="\ufffd")
+             for prompt, out in zip(prompts, outs)]
     sep = "\n" + "-" * 72 + "\n"
     write_text_atomic(run_dir / "samples.txt", sep.join(texts) + "\n")
     print(f"samples ({run_dir / 'samples.txt'}):", file=sys.stdout)
