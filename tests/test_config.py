@@ -54,6 +54,8 @@ def test_override_lists_and_none():
         ("--inner.rate=fast", "inner.rate must be a number"),
         ("--nosuch.key=1", "unknown config key 'nosuch'"),
         ("--seed.x=1", "seed"),
+        # a byte of another encoding, as Python reads it from argv; was UnicodeEncodeError saving config.toml
+        ("--inner.name=caf\udce9", r"override --inner.name: not valid UTF-8 text ('caf\udce9')"),
     ],
 )
 def test_bad_overrides_are_one_line_errors(override, message):

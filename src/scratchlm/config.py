@@ -94,6 +94,10 @@ def parse_override(text: str) -> tuple[list[str], str]:
     parts = key.split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        body.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding on the command line; configs are saved as UTF-8
+        raise ConfigError(f"override --{key}: not valid UTF-8 text ({ascii(value)})") from None
     return parts, value
 
 

@@ -66,6 +66,9 @@ def test_generate_command_errors(ckpt):
         generate_command([str(ckpt), "--prompt", "x" * 40, "--device", "cpu"])
     with pytest.raises((UserError, FileNotFoundError)):
         generate_command([str(ckpt.parent / "missing.pt"), "--device", "cpu"])
+    # a byte of another encoding, as Python reads it from argv (was UnicodeEncodeError)
+    with pytest.raises(UserError, match=r"--prompt 'caf\\udce9' is not valid UTF-8 text"):
+        generate_command([str(ckpt), "--prompt", "caf\udce9", "--device", "cpu"])
 
 
 def test_generate_command_refuses_a_tokenizer_larger_than_the_model(ckpt):

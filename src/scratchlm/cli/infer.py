@@ -93,6 +93,10 @@ def generate_command(argv: list[str]) -> int:
     texts = args.prompt if args.prompt is not None else [""]
     prompts = []
     for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of another encoding on the command line
+            raise UserError(f"--prompt {ascii(text)} is not valid UTF-8 text") from None
         ids = tokenizer.encode(text)
         if not ids:
             if eos_id is None:
