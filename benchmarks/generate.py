@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rollout-repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
+    p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
     }
-    results = _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
+    results = {} if args.no_batch1 else _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
     ref = results.get("hf_generate_dynamic")
     static = results.get("hf_generate_static_compile")
     for name, (seconds, out) in results.items():
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             "agree_with_hf": _agreement(out, ref[1]) if ref else None,
         })
     save()
-    if args.profile:  # before the rollouts: short, and it reuses the batch-1 compilation
+    if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
         for B, name, options in ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}), (64, "", {})):
             rows.append({"model": args.model, "workload": "profile", "engine": name.strip("_") or "default",
                          **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}{name}.txt", compile=True,
