@@ -10,9 +10,10 @@ past the row's position, so short rows of a ragged batch cost only what they hol
 heads are too few programs to fill the GPU (batch 1: 12 for GPT-2), each row's keys are split
 among 8 programs, and where they are a few hundred with long rows, among 4 (`splits_for`; a
 split past the row's keys has nothing to do); a second small kernel combines the splits'
-partial results (max, sum, unnormalised output). With grouped-query attention one program
-serves all the query heads of a kv head (`_grouped_decode_attention_kernel`), so each tile of
-keys and values is read once for the group rather than once per query head.
+partial results (max, sum, unnormalised output). With grouped-query attention each query
+head's program reads its kv head's keys: a program serving all the query heads of a kv head
+(keys read once for the group) measured 1.5-4x slower on an H100 at every batch
+(docs/benchmarks/decode_attention.md), so there is none.
 
 ``decode_attention(q, k, v, pos, window)``: q (b, H, 1, d), k and v (b, Hkv, L, d) (views of the
 cache buffers, unit stride in d), pos (b,) the position of each row's newest key (< L); query
@@ -38,7 +39,6 @@ from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 __all__ = ["decode_attention", "decode_attention_reference"]
 
 BLOCK_N = 64  # keys a tile
-GROUPED_TILE = 8192  # the grouped kernel's (query heads x keys x head dims) a tile, at most
 
 if triton is not None:
 
@@ -100,55 +100,6 @@ if triton is not None:
             tl.store(M + idx, m_i)
             tl.store(LSUM + idx, l_i)
             tl.store(ACC + idx * BLOCK_D + d, acc)
-
-    @triton.jit
-    def _grouped_decode_attention_kernel(Q, K, V, O, POS, M, LSUM, ACC, L, window, num_heads,
-                                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-                                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
-                                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                                         SPLITS: tl.constexpr, QK_SCALE: tl.constexpr):
-        """`_decode_attention_kernel` for the GROUP query heads of one kv head at once: each tile
-        of keys and values is read once for all of them (grouped-query attention)."""
-        row = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1).to(tl.int64)
-        lo, hi, split = _key_range(POS, row, L, window, BLOCK_N, HAS_WINDOW, SPLITS)
-        g = tl.arange(0, GROUP_PAD)
-        g_ok = g < GROUP
-        head = kv_head * GROUP + g  # (G,) the query heads of this kv head
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q_ok = g_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0)
-        q = q.to(tl.float32) * QK_SCALE  # (G, D), base-2 softmax as above
-        k_base = K + row * stride_kb + kv_head * stride_kh
-        v_base = V + row * stride_vb + kv_head * stride_vh
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            tile_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, N)
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-        if SPLITS == 1:
-            out = acc / l_i[:, None]
-            tl.store(O + row * stride_ob + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                     mask=q_ok)
-        else:
-            idx = (row * num_heads + head) * SPLITS + split  # (G,)
-            tl.store(M + idx, m_i, mask=g_ok)
-            tl.store(LSUM + idx, l_i, mask=g_ok)
-            tl.store(ACC + idx[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
 
     @triton.jit
     def _combine_splits(M, LSUM, ACC, O, num_heads, stride_ob, stride_oh,
@@ -224,8 +175,8 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     block_d = triton.next_power_of_2(d)
     Hkv = k.shape[1]
     group = H // Hkv
-    # b·Hkv programs before splitting: one per (row, query head), or per (row, kv head) when grouped
-    splits = splits_for(b, Hkv, L if window <= 0 else min(L, window))
+    # b·H programs before splitting: one per (row, query head)
+    splits = splits_for(b, H, L if window <= 0 else min(L, window))
     # the splits' partial results (unused, one element each, without splits)
     parts = b * H * splits if splits > 1 else 1
     m = torch.empty(parts, dtype=torch.float32, device=k.device)
@@ -236,15 +187,8 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window > 0, SPLITS=splits, QK_SCALE=qk_scale)
     with _device(k):
-        if group == 1:
-            grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
-            wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=1, BLOCK_N=BLOCK_N, num_warps=4, **common)
-        else:  # one program per kv head: tiles of GROUPED_TILE elements (query heads x keys x dims) at most
-            group_pad = triton.next_power_of_2(group)
-            block_n = max(16, min(BLOCK_N, GROUPED_TILE // (group_pad * block_d)))
-            grid = lambda meta: (b, Hkv, meta["SPLITS"])  # noqa: E731
-            wrap_triton(_grouped_decode_attention_kernel)[grid](*args, GROUP=group, GROUP_PAD=group_pad,
-                                                                BLOCK_N=block_n, num_warps=8, **common)
+        grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
+        wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=group, BLOCK_N=BLOCK_N, num_warps=4, **common)
         if splits > 1:
             combine_grid = lambda meta: (b, H)  # noqa: E731
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
