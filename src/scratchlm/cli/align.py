@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,11 @@ def _check_out_dir(out_dir: Path) -> None:
                         "metrics.jsonl would be overwritten; choose another run.out_dir")
 
 
-def _start(cfg: Any):
-    """Seed, policy, then the output folder with the resolved config (a bad policy writes nothing)."""
+def _start(cfg: Any, check: Callable[[Any], None] | None = None):
+    """Seed, policy, then the output folder with the resolved config (a bad policy writes nothing).
+
+    `check(policy)`, when given, runs before anything is written: what it refuses leaves
+    run.out_dir as it was."""
     import torch
 
     from scratchlm.align.policy import load_policy
@@ -97,6 +100,8 @@ def _start(cfg: Any):
         raise UserError(f"policy.path {cfg.policy.path} is inside {out_dir / 'policy'}, where this run saves its "
                         "policy over it; choose another run.out_dir")
     policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
+    if check is not None:
+        check(policy)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
     return policy, out_dir
@@ -127,6 +132,30 @@ def _examples(cfg: Any, *, eval_split: bool):
     limit = (data.eval_limit if eval_split else data.limit) or None
     return load_examples(dataset, data.eval_split if eval_split else data.split,
                          data_dir=data.data_dir or None, limit=limit, seed=cfg.run.seed)
+
+
+def _prompt_lengths(policy: Any, examples: Sequence[Any], template: Any) -> list[int]:
+    """Tokens of each example's question in the prompt template."""
+    return [len(policy.encode(template.format(ex.question))) for ex in examples]
+
+
+def _check_prompts_fit(cfg: Any, template: Any, train: Sequence[Any], evals: Sequence[Any]) -> Callable[[Any], None]:
+    """A `_start` check: UserError when a training or evaluation prompt leaves the policy no room
+    for one new token in its context (generation refuses it, but only at the first rollout or
+    evaluation that draws it, after metrics.jsonl has been rewritten)."""
+    data = cfg.data
+
+    def check(policy: Any) -> None:
+        ctx = policy.context_length
+        for examples, what, name, split in ((train, "training", data.dataset, data.split),
+                                            (evals, "evaluation", data.eval_dataset or data.dataset, data.eval_split)):
+            long = [n for n in _prompt_lengths(policy, examples, template) if n >= ctx]
+            if long:
+                raise UserError(f"{len(long)} of {len(examples)} {what} prompts ({name}/{split}) leave no room for a "
+                                f"response in the policy's context of {ctx} tokens (the longest has {max(long)}); "
+                                "filter the data to shorter questions or use a policy with a longer context")
+
+    return check
 
 
 def _evaluator(policy: Any, cfg: Any, template: Any, reward_fn: Any, examples: Any, out_dir: Path):
@@ -177,7 +206,7 @@ def expert_iteration_command(argv: list[str]) -> int:
     cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
                  "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
     template, reward_fn, train, evals = _inputs(cfg)
-    policy, out_dir = _start(cfg)
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
     history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
@@ -195,7 +224,7 @@ def grpo_command(argv: list[str]) -> int:
     cfg = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
     template, reward_fn, train, evals = _inputs(cfg)
     check_train_examples(train, cfg.grpo)
-    policy, out_dir = _start(cfg)
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
     history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
                          grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
@@ -248,7 +277,7 @@ def _examples_with_room(policy: Any, examples: list, template: Any, *, skip: boo
     many do not. Without `skip` any that do not are an error now, not once the evaluation
     reaches their batch."""
     ctx = policy.context_length
-    lengths = [len(policy.encode(template.format(ex.question))) for ex in examples]
+    lengths = _prompt_lengths(policy, examples, template)
     fit = [ex for ex, n in zip(examples, lengths) if n < ctx]
     skipped = len(examples) - len(fit)
     if not fit:
