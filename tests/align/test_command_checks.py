@@ -49,3 +49,15 @@ def test_prompts_too_long_for_the_context_are_refused_before_anything_is_written
     assert longest > 160
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
+
+def test_expert_iteration_refuses_more_questions_a_step_than_the_training_set_has(tiny_policy, tmp_path, capsys):
+    # ei.questions_per_step was quietly cut to the training set's size.
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "run"
+    before = _earlier_run(out)
+    code = main(["expert-iteration", "align-ei", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--data.dataset=arith:1", *COMMON, "--data.limit=3", "--ei.questions_per_step=4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "expert iteration draws 4 questions a step (ei.questions_per_step) but the training set has 3" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -20,6 +20,7 @@ from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, eval_metrics, recorder, sft_train
+from scratchlm.errors import UserError
 
 
 def filter_rewarded(
@@ -37,6 +38,13 @@ def filter_rewarded(
             seen.add((p, r))
             kept.append((p, r))
     return kept
+
+
+def check_train_examples(train_examples: Sequence[MathExample], ei: ExpertIterationConfig) -> None:
+    """UserError when there are fewer questions than a step draws (`questions_per_step`)."""
+    if len(train_examples) < ei.questions_per_step:
+        raise UserError(f"expert iteration draws {ei.questions_per_step} questions a step (ei.questions_per_step) but "
+                        f"the training set has {len(train_examples)}; lower ei.questions_per_step or add examples")
 
 
 def expert_iteration(
@@ -58,6 +66,7 @@ def expert_iteration(
 
     `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     """
+    check_train_examples(train_examples, ei)
     reward_fn = get_reward_fn(reward_fn)
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
@@ -66,7 +75,7 @@ def expert_iteration(
         record({"phase": "ei", "step": 0, **eval_metrics(evaluate, 0)})
     sft_steps = 0
     for step in range(1, ei.n_ei_steps + 1):
-        questions = rng.sample(list(train_examples), min(ei.questions_per_step, len(train_examples)))
+        questions = rng.sample(list(train_examples), ei.questions_per_step)
         prompts = [template.format(q.question) for q in questions for _ in range(ei.group_size)]
         truths = [q.answer for q in questions for _ in range(ei.group_size)]
         t0 = time.perf_counter()

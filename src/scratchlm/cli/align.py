@@ -201,12 +201,18 @@ def sft_command(argv: list[str]) -> int:
 def expert_iteration_command(argv: list[str]) -> int:
     """``scratchlm expert-iteration [config] [--section.key=value ...]``."""
     from scratchlm.align.config import ExpertIterationRunConfig
-    from scratchlm.align.expert_iteration import expert_iteration
+    from scratchlm.align.expert_iteration import check_train_examples, expert_iteration
 
     cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
                  "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
     template, reward_fn, train, evals = _inputs(cfg)
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
+    prompts_fit = _check_prompts_fit(cfg, template, train, evals)
+
+    def check(policy: Any) -> None:  # after _start's checks of the paths, before it writes anything
+        check_train_examples(train, cfg.ei)
+        prompts_fit(policy)
+
+    policy, out_dir = _start(cfg, check)
     metrics = MetricsWriter(out_dir)
     history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
