@@ -8,7 +8,12 @@ from scratchlm.train.config import TrainConfig
 @pytest.mark.parametrize("overrides, message", [
     # min_lr above lr: the "decay" raised the rate to min_lr, e.g. a sweep point below the preset's min_lr
     (["--optim.lr=1e-5"], r"optim.min_lr \(0.0003\) is above optim.lr \(1e-05\): the cosine decay"),
-    (["--optim.lr=0"], r"optim.min_lr \(0.0003\) is above optim.lr \(0\)"),
+    # lr 0 or below: every step runs and no weight moves (or they climb the loss)
+    (["--optim.lr=0"], r"optim.lr must be > 0 \(a rate of 0 trains nothing\), got 0$"),
+    (["--optim.lr=0", "--optim.min_lr=0"], r"optim.lr must be > 0"),
+    (["--optim.lr=-1e-3", "--optim.name=muon"], r"optim.lr must be > 0 .*got -0.001$"),
+    (["--optim.name=muon", "--optim.muon_lr=0"], r"optim.muon_lr must be > 0 or none \(= optim.lr\), got 0$"),
+    (["--optim.muon_lr=-0.02"], r"optim.muon_lr must be > 0"),
     (["--optim.min_lr=1e-2", "--optim.schedule=wsd"], r"optim.min_lr \(0.01\) is above optim.lr \(0.003\): the wsd"),
     # eps 0: AdamW's 0 / 0 for an embedding row no batch had used, then a NaN loss
     (["--optim.eps=0"], "optim.eps must be > 0"),
@@ -21,4 +26,5 @@ def test_rates_that_train_wrong_are_refused(overrides, message):
 def test_min_lr_may_equal_lr_and_is_unused_by_a_constant_schedule():
     assert OptimConfig(lr=1e-3, min_lr=1e-3).min_lr == 1e-3
     assert OptimConfig(lr=1e-3, min_lr=1e-2, schedule="constant").schedule == "constant"
-    assert OptimConfig(lr=0.0, min_lr=0.0).lr == 0.0
+    assert OptimConfig(lr=1e-3, min_lr=0.0).min_lr == 0.0
+    assert OptimConfig(name="muon", muon_lr=None).muon_lr is None

@@ -63,7 +63,8 @@ def test_a_key_given_twice_and_no_grid_are_refused():
 @pytest.mark.parametrize("spec, message", [
     ("optim.lrr=1e-3,3e-3", "unknown config key 'optim.lrr'"),
     ("optim.lr=1e-3,fast", "optim.lr must be a number"),
-    ("optim.lr=1e-3,-1", "optim.lr and optim.min_lr must be >= 0"),
+    ("optim.lr=1e-3,-1", "optim.lr must be > 0"),
+    ("optim.lr=1e-3,0", "optim.lr must be > 0"),
     ("model.d_model=32,30", "d_model"),  # 30 is not divisible by 4 heads
     ("model.vocab_size=48,40", "vocab"),  # the token files hold ids up to 47
     ("model.context_length=16,1000", "context"),  # the validation file is shorter than one window

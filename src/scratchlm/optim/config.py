@@ -39,15 +39,17 @@ class OptimConfig:
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"optim.{name} must be a finite number, got {value}")
-        if self.lr < 0 or self.min_lr < 0:
-            raise ValueError(f"optim.lr and optim.min_lr must be >= 0, got {self.lr} and {self.min_lr}")
+        if self.lr <= 0:  # a rate of 0 runs every step and changes no weight
+            raise ValueError(f"optim.lr must be > 0 (a rate of 0 trains nothing), got {self.lr:g}")
+        if self.min_lr < 0:
+            raise ValueError(f"optim.min_lr must be >= 0, got {self.min_lr}")
         if self.min_lr > self.lr and self.schedule != "constant":
             raise ValueError(f"optim.min_lr ({self.min_lr:g}) is above optim.lr ({self.lr:g}): the {self.schedule} "
                              f"decay would raise the rate; set optim.min_lr <= optim.lr")
         if self.name not in OPTIMIZER_NAMES:
             raise ValueError(f"optim.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
-        if self.muon_lr is not None and self.muon_lr < 0:
-            raise ValueError(f"optim.muon_lr must be >= 0 or none, got {self.muon_lr}")
+        if self.muon_lr is not None and self.muon_lr <= 0:  # 0 would leave the blocks' matrices untrained
+            raise ValueError(f"optim.muon_lr must be > 0 or none (= optim.lr), got {self.muon_lr:g}")
         if not 0 <= self.muon_momentum < 1:
             raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.warmup_steps < 0:
