@@ -162,3 +162,34 @@ def test_infinite_rates_and_bases_are_refused(tmp_path, override, message):
     preset.write_text(f"[{section}]\n{key} = {override.split('=')[1]}\n")
     with pytest.raises(ConfigError, match=message.split(", got")[0]):
         load_config(TrainConfig, preset)
+
+
+def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
+    # No shell expands `~` after `=` in --data.train_path=~/..., and TOML never does.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    preset = tmp_path / "p.toml"
+    preset.write_text('[trainer]\nout_dir = "~/runs/x"\nwandb_project = "~proj"\n'
+                      '[data]\ntokenizer_dir = "~/tok"\nval_path = "data/~/valid.bin"\n')
+    cfg = load_config(TrainConfig, "~/p.toml", ["--data.train_path=~/data/train.bin", "--trainer.compile_cache_dir=~",
+                                                 "--trainer.sample_prompts=~/a"])
+    assert cfg.trainer.out_dir == f"{tmp_path}/runs/x"
+    assert cfg.data.tokenizer_dir == f"{tmp_path}/tok"
+    assert cfg.data.train_path == f"{tmp_path}/data/train.bin"
+    assert cfg.trainer.compile_cache_dir == str(tmp_path)
+    # only a leading `~` of a path field: other strings are left as written
+    assert cfg.data.val_path == "data/~/valid.bin"
+    assert cfg.trainer.wandb_project == "~proj"
+    assert cfg.trainer.sample_prompts == ["~/a"]
+    assert f'out_dir = "{tmp_path}/runs/x"' in config_to_toml(cfg)
+
+
+def test_home_is_expanded_in_align_path_fields(tmp_path, monkeypatch):
+    from scratchlm.align.config import DPORunConfig, GRPORunConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(GRPORunConfig, None, ["--policy.path=~/runs/base", "--data.dataset=~/q.jsonl",
+                                            "--data.eval_dataset=gsm8k", "--data.data_dir=~/data", "--run.out_dir=~/o"])
+    assert (cfg.policy.path, cfg.data.dataset, cfg.data.eval_dataset, cfg.data.data_dir, cfg.run.out_dir) == (
+        f"{tmp_path}/runs/base", f"{tmp_path}/q.jsonl", "gsm8k", f"{tmp_path}/data", f"{tmp_path}/o")
+    dpo = load_config(DPORunConfig, None, ["--data.train_path=~/pairs.jsonl", "--data.eval_path=~/eval.jsonl"])
+    assert (dpo.data.train_path, dpo.data.eval_path) == (f"{tmp_path}/pairs.jsonl", f"{tmp_path}/eval.jsonl")

@@ -14,6 +14,7 @@ one-line message naming the key.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import types
 import typing
@@ -29,6 +30,11 @@ T = TypeVar("T")
 _NONE_WORDS = {"none", "null"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
+# String fields that name a file or folder: ``path``, ``*_path``, ``*_dir``, and the align
+# ``dataset``/``eval_dataset`` (a name or a .jsonl path). A leading ``~`` in their values is
+# expanded to the home folder, from TOML and overrides alike (no shell does it after ``=``).
+_PATH_FIELD_NAMES = {"path", "dataset", "eval_dataset"}
+_PATH_FIELD_SUFFIXES = ("_path", "_dir")
 
 
 class ConfigError(UserError, ValueError):
@@ -43,7 +49,7 @@ def preset_dirs() -> list[Path]:
 
 def resolve_preset(preset: str | Path) -> Path:
     """A preset path, or a name such as ``gpt2-small`` looked up in the preset folders."""
-    path = Path(preset)
+    path = Path(preset).expanduser()
     if path.is_file():
         return path
     if path.suffix != ".toml" and len(path.parts) == 1:
@@ -147,12 +153,19 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
     for name, value in data.items():
         key = f"{where}.{name}" if where else name
         kwargs[name] = _coerce(value, hints[name], key)
+        if isinstance(kwargs[name], str) and _is_path_field(name):
+            kwargs[name] = os.path.expanduser(kwargs[name])
     # Sections absent from the file still get their own defaults (dataclasses handle that).
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from None
     return obj
+
+
+def _is_path_field(name: str) -> bool:
+    """Whether config field `name` holds a path (its ``~`` is expanded when read)."""
+    return name in _PATH_FIELD_NAMES or name.endswith(_PATH_FIELD_SUFFIXES)
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
