@@ -50,9 +50,13 @@ def test_prompts_too_long_for_the_context_are_refused_before_anything_is_written
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_expert_iteration_refuses_more_questions_a_step_than_the_training_set_has(tiny_policy, tmp_path, capsys):
-    # ei.questions_per_step was quietly cut to the training set's size.
-    tiny_policy.save(tmp_path / "base")
+def test_expert_iteration_refuses_more_questions_a_step_than_the_training_set_has(tmp_path, capsys, monkeypatch):
+    # ei.questions_per_step was quietly cut to the training set's size; then it was refused only
+    # once the policy had loaded.
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the policy was loaded")
+
+    monkeypatch.setattr("scratchlm.align.policy.load_policy", no_loading)
     out = tmp_path / "run"
     before = _earlier_run(out)
     code = main(["expert-iteration", "align-ei", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",

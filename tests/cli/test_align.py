@@ -159,7 +159,7 @@ def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, caps
 
 
 @pytest.mark.parametrize("command, preset, options", [
-    ("sft", "align-sft", COMMON), ("expert-iteration", "align-ei", COMMON),
+    ("sft", "align-sft", COMMON), ("expert-iteration", "align-ei", [*COMMON, "--ei.questions_per_step=2"]),
     ("grpo", "align-grpo", [*COMMON, "--data.limit=64"]),
     ("dpo", "dpo", ["--policy.device=cpu", "--run.progress=false"]),
 ])

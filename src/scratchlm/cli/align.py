@@ -206,13 +206,8 @@ def expert_iteration_command(argv: list[str]) -> int:
     cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
                  "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
     template, reward_fn, train, evals = _inputs(cfg)
-    prompts_fit = _check_prompts_fit(cfg, template, train, evals)
-
-    def check(policy: Any) -> None:  # after _start's checks of the paths, before it writes anything
-        check_train_examples(train, cfg.ei)
-        prompts_fit(policy)
-
-    policy, out_dir = _start(cfg, check)
+    check_train_examples(train, cfg.ei)
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
     history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
