@@ -101,6 +101,19 @@ def test_read_errors(tmp_path):
         read_merges_txt(merges)
 
 
+def test_a_lone_surrogate_in_the_json_files_is_a_user_error(trained, tmp_path):
+    # JSON can spell one ("\\udcff"); no UTF-8 text holds one, so the token has no bytes.
+    trained.save(tmp_path / "tok")
+    specials = tmp_path / "tok" / "special_tokens.json"
+    specials.write_text('["<|endoftext|>", "\\udcff"]', encoding="utf-8")
+    with pytest.raises(UserError, match=r"special_tokens.json: '\\udcff' is not valid UTF-8 text"):
+        Tokenizer.load(tmp_path / "tok")
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"a": 0, "\\udcff": 1}', encoding="utf-8")
+    with pytest.raises(UserError, match=r"vocab.json: '\\udcff' is not valid UTF-8 text"):
+        read_vocab_json(vocab)
+
+
 def test_a_missing_special_tokens_file_or_cut_merges_are_errors(trained, tmp_path):
     # Both loaded silently: <|endoftext|> was encoded as ordinary text, and the tokens of lost
     # merges were never produced.

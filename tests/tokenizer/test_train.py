@@ -152,6 +152,12 @@ def test_errors(tmp_path):
             train_bpe(locked, 300, [])
 
 
+def test_a_special_token_that_is_not_utf8_is_a_user_error(tmp_path):
+    # Bytes on the command line that are not UTF-8 reach Python as lone surrogates.
+    with pytest.raises(UserError, match="not valid UTF-8 text"):
+        train_bpe(_write(tmp_path, "hello world"), 300, [os.fsdecode(b"\xff")])
+
+
 def test_special_tokens_split_before_pretokenization():
     counts = count_pretokens_in_text("a<|endoftext|>b", special_tokens_pattern(["<|endoftext|>"]))
     assert counts == Counter({"a": 1, "b": 1})

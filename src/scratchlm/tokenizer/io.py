@@ -76,6 +76,7 @@ def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = (),
     specials = set(special_tokens) if special_ids is None else set()
     vocab: dict[int, bytes] = {}
     for text, i in raw.items():
+        _check_utf8(text, path)
         if not isinstance(i, int) or i < 0:
             raise UserError(f"{path}: id of {text!r} must be a non-negative integer, got {i!r}")
         if i in vocab:
@@ -96,6 +97,14 @@ def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = (),
                 raise UserError(f"{path}: has no id {i}, which {SPECIAL_TOKENS_FILE} gives to {token!r}")
             vocab[i] = token.encode("utf-8")
     return vocab
+
+
+def _check_utf8(text: str, path: str | os.PathLike) -> None:
+    """UserError for a JSON string that holds a lone surrogate (``"\\udcff"``): no UTF-8 text does."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{path}: {text!r} is not valid UTF-8 text (a lone surrogate)") from None
 
 
 def _text_form_bytes(text: str) -> bytes:
@@ -185,6 +194,7 @@ def _special_token_entries(path: str | os.PathLike) -> list[tuple[str, int | Non
         i = entry.get("id") if isinstance(entry, dict) else None
         if not isinstance(token, str) or not token or (i is not None and (not isinstance(i, int) or i < 0)):
             raise UserError(f"{path}: bad special token entry {entry!r}")
+        _check_utf8(token, path)
         out.append((token, i))
     ids = [i for _, i in out if i is not None]
     if len(set(ids)) != len(ids):

@@ -87,6 +87,11 @@ def train_bpe(
     specials = list(dict.fromkeys(special_tokens))
     if any(not isinstance(t, str) or not t for t in specials):
         raise UserError("special tokens must be non-empty strings")
+    for token in specials:
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: bytes on the command line that are not UTF-8
+            raise UserError(f"special token {token!r} is not valid UTF-8 text") from None
     if vocab_size < 256 + len(specials):
         raise UserError(
             f"vocab_size {vocab_size} is too small: it must be at least 256 (bytes) + "
