@@ -114,6 +114,19 @@ def test_a_lone_surrogate_in_the_json_files_is_a_user_error(trained, tmp_path):
         read_vocab_json(vocab)
 
 
+def test_an_id_beyond_what_a_tokenizer_holds_is_a_user_error(trained, tmp_path):
+    # Ids are characters chr(id) inside the Tokenizer: one past 0x10FFFF was an OverflowError.
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"a": 0, "b": 5000000000}', encoding="utf-8")
+    with pytest.raises(UserError, match="id of 'b' must be an integer from 0 to 1,114,111"):
+        read_vocab_json(vocab)
+    trained.save(tmp_path / "tok")
+    specials = tmp_path / "tok" / "special_tokens.json"
+    specials.write_text('{"special_tokens": [{"token": "<|endoftext|>", "id": 1114112}]}', encoding="utf-8")
+    with pytest.raises(UserError, match=r"id 1114112 of '<\|endoftext\|>' is too large"):
+        Tokenizer.load(tmp_path / "tok")
+
+
 def test_a_missing_special_tokens_file_or_cut_merges_are_errors(trained, tmp_path):
     # Both loaded silently: <|endoftext|> was encoded as ordinary text, and the tokens of lost
     # merges were never produced.

@@ -45,6 +45,9 @@ TOKENIZER_FILES = (VOCAB_FILE, MERGES_FILE, SPECIAL_TOKENS_FILE, HF_TOKENIZER_FI
 
 log = logging.getLogger("scratchlm.tokenizer")
 
+# The largest id a Tokenizer can hold: it handles a token as the character chr(id).
+MAX_TOKEN_ID = 0x10FFFF
+
 
 def _read_text(path: str | os.PathLike, what: str) -> str:
     path = Path(path)
@@ -77,8 +80,8 @@ def read_vocab_json(path: str | os.PathLike, special_tokens: Sequence[str] = (),
     vocab: dict[int, bytes] = {}
     for text, i in raw.items():
         _check_utf8(text, path)
-        if not isinstance(i, int) or i < 0:
-            raise UserError(f"{path}: id of {text!r} must be a non-negative integer, got {i!r}")
+        if not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID:
+            raise UserError(f"{path}: id of {text!r} must be an integer from 0 to {MAX_TOKEN_ID:,}, got {i!r}")
         if i in vocab:
             raise UserError(f"{path}: id {i} appears twice")
         if i in special_at:
@@ -194,6 +197,8 @@ def _special_token_entries(path: str | os.PathLike) -> list[tuple[str, int | Non
         i = entry.get("id") if isinstance(entry, dict) else None
         if not isinstance(token, str) or not token or (i is not None and (not isinstance(i, int) or i < 0)):
             raise UserError(f"{path}: bad special token entry {entry!r}")
+        if i is not None and i > MAX_TOKEN_ID:
+            raise UserError(f"{path}: id {i} of {token!r} is too large (at most {MAX_TOKEN_ID:,})")
         _check_utf8(token, path)
         out.append((token, i))
     ids = [i for _, i in out if i is not None]
