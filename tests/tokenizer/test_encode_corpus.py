@@ -115,6 +115,8 @@ def test_clear_errors(tokenizer, tmp_path):
         encode_corpus(src, tokenizer, tmp_path / "o.json", progress=False)
     with pytest.raises(UserError, match="tokenizer directory not found"):
         encode_corpus(src, tmp_path / "no-tokenizer", tmp_path / "o.bin", progress=False)
+    with pytest.raises(UserError, match="tokenizer is not a directory"):  # (it exists: not "not found")
+        encode_corpus(src, src, tmp_path / "o.bin", progress=False)
     with pytest.raises(UserError, match="workers"):
         encode_corpus(src, tokenizer, tmp_path / "o.bin", num_workers=0, progress=False)
 

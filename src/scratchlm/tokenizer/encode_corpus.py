@@ -303,7 +303,8 @@ def _resolve_tokenizer(tokenizer_or_dir: Any) -> tuple[Any, Any]:
     if isinstance(tokenizer_or_dir, (str, os.PathLike)):
         directory = Path(tokenizer_or_dir)
         if not directory.is_dir():
-            raise UserError(f"tokenizer directory not found: {directory}")
+            raise UserError(f"tokenizer directory not found: {directory}" if not directory.exists()
+                            else f"tokenizer is not a directory: {directory} (expected a tokenizer directory)")
         return _load_tokenizer(str(directory)), str(directory)
     for attr in ("encode", "vocab_size", "hash"):
         if not hasattr(tokenizer_or_dir, attr):
