@@ -12,18 +12,19 @@ from scratchlm.tokenizer.tokenizer import Tokenizer
 
 
 def read_sample(path: str | os.PathLike, max_bytes: int) -> str:
-    """The first max_bytes of a UTF-8 file (less a character cut off at the end)."""
+    """The first max_bytes of a UTF-8 file (less a character that max_bytes cuts off at the end)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: sample file not found" if not path.exists() else f"{path}: not a file")
     with open(path, "rb") as f:
-        data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size))  # (a huge max_bytes overflows read)
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(min(max_bytes, size))  # (a huge max_bytes overflows read)
     if b"\x00" in data:  # text has no NUL bytes; a token file (uint16 ids below 256) has many
         raise UserError(f"{path}: binary data (NUL bytes), not a text sample; tokenizer-stats reads UTF-8 text")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        if exc.start >= len(data) - 3 and exc.reason == "unexpected end of data":
+        if len(data) < size and exc.start >= len(data) - 3 and exc.reason == "unexpected end of data":
             return data[:exc.start].decode("utf-8")
         raise UserError(f"{path}: not valid UTF-8 at byte offset {exc.start}") from None
 
