@@ -245,6 +245,8 @@ def test_special_tokens_json_that_disagrees_with_vocab_json_is_an_error(trained,
          r"has no id 99999, which special_tokens.json gives to '<\|pad\|>'"),
         ([{"token": EOT, "id": trained.eot_id}, {"token": "<|pad|>", "id": trained.eot_id}],
          "two special tokens have the same id"),
+        # the list read as one without ids gave <|pad|> the next free id, not the one written
+        ([{"token": EOT}, {"token": "<|pad|>", "id": trained.eot_id}], "some special tokens have an id and some do not"),
     ]:
         path.write_text(json.dumps({"special_tokens": entries}), encoding="utf-8")
         with pytest.raises(UserError, match=message):

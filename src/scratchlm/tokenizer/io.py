@@ -202,6 +202,8 @@ def _special_token_entries(path: str | os.PathLike) -> list[tuple[str, int | Non
         _check_utf8(token, path)
         out.append((token, i))
     ids = [i for _, i in out if i is not None]
+    if ids and len(ids) != len(out):  # (load_tokenizer would drop the ids given)
+        raise UserError(f"{path}: some special tokens have an id and some do not; give every one an id, or none")
     if len(set(ids)) != len(ids):
         raise UserError(f"{path}: two special tokens have the same id")
     return out
