@@ -254,3 +254,27 @@ def test_preference_file_errors_name_the_line(tmp_path):
         load_preference_pairs(str(path))
     with pytest.raises(UserError, match="at least 1"):
         load_preference_pairs("arith:0")
+
+
+def test_dpo_reports_the_training_and_held_out_pairs_it_leaves_out_or_cuts_short(tiny_policy):
+    # They were dropped or cut without a word (and held-out metrics silently covered fewer pairs).
+    long = PreferencePair(" 7" * 400, " 1", " 2")
+    cut = PreferencePair("Start with 3.", " 4", " 3" * 400)  # only the rejected response runs over
+    pairs = arithmetic_preference_pairs(3, seed=6)
+    events = []
+    history = dpo_train(tiny_policy, [*pairs, long, cut], dpo=DPOConfig(micro_batch_size=2, grad_accum_steps=1,
+                                                                         max_steps=2, eval_every=0),
+                        optim=OptimConfig(lr=1e-3), eval_pairs=[*pairs, long], log=events.append,
+                        report=events.append)
+    assert events[0] == ("dpo: 2 of 5 training pairs are longer than the model's context of 160 tokens: 1 left out "
+                         "(the prompt fills it), 1 with the response cut short; 1 of 4 held-out pairs are longer "
+                         "than the model's context of 160 tokens: 1 left out (the prompt fills it)")
+    assert not any(isinstance(e, str) for e in events[1:])
+    assert history[0]["step"] == 0 and "pairs" not in history[0]
+    assert {k: history[1][k] for k in ("pairs", "pairs_left_out", "pairs_cut", "eval_pairs", "eval_pairs_left_out",
+                                       "eval_pairs_cut")} == {"pairs": 5, "pairs_left_out": 1, "pairs_cut": 1,
+                                                              "eval_pairs": 4, "eval_pairs_left_out": 1,
+                                                              "eval_pairs_cut": 0}
+    events.clear()
+    dpo_train(tiny_policy, pairs, dpo=DPOConfig(max_steps=1), optim=OptimConfig(), report=events.append)
+    assert events == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from scratchlm.align.evaluate import evaluate_policy
 from scratchlm.align.expert_iteration import expert_iteration, filter_rewarded
 from scratchlm.align.grpo import grpo_train
 from scratchlm.align.prompts import get_template
-from scratchlm.align.sft import encode_pairs, sft_train
+from scratchlm.align.sft import ContextFit, encode_pairs, fit_pairs, sft_train
 from scratchlm.align.task import ArithmeticTask, arithmetic_reward
 from scratchlm.errors import UserError
 
@@ -39,6 +41,43 @@ def test_sft_refuses_pairs_that_all_fill_the_context(tiny_policy):
         sft_train(tiny_policy, [(" 7" * 400, " 7")], sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
                   optim=OptimConfig(lr=1e-2))
     assert all(torch.equal(a, b) for a, b in zip(start, _params(tiny_policy.model)))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sft_reports_the_pairs_it_leaves_out_or_cuts_short(tiny_policy, packed):
+    # Pairs longer than the context were dropped or cut without a word.
+    pairs = [("Start with 3.", " 3 </think> <answer> 3 </answer>"), (" 7" * 400, " 7"), ("Start", " 7" * 400)]
+    events = []
+    history = sft_train(tiny_policy, pairs, sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1, max_steps=2,
+                                                          packed=packed),
+                        optim=OptimConfig(lr=1e-3), log=events.append, report=events.append,
+                        evaluate=lambda step: {"accuracy": 0.5, "step_seen": step})
+    start = {"phase": "sft", "step": 0, "eval_accuracy": 0.5, "eval_step_seen": 0}
+    if packed:  # packing keeps every token of every pair
+        assert events[0] == start
+        assert {k: history[0][k] for k in ("pairs", "pairs_left_out", "pairs_cut")} == {
+            "pairs": 3, "pairs_left_out": 0, "pairs_cut": 0}
+    else:
+        assert events[:2] == ["sft: 2 of 3 pairs are longer than the model's context of 160 tokens: 1 left out "
+                              "(the prompt fills it), 1 with the response cut short", start]
+        assert {k: history[0][k] for k in ("pairs", "pairs_left_out", "pairs_cut")} == {
+            "pairs": 3, "pairs_left_out": 1, "pairs_cut": 1}
+    assert not any(isinstance(e, str) for e in events[2:])  # one line, at the start
+    assert [h["step"] for h in history] == [1, 2] and "pairs" not in history[1]
+    events.clear()
+    sft_train(tiny_policy, pairs[:1], sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1, max_steps=1),
+              optim=OptimConfig(lr=1e-3), report=events.append)
+    assert events == []  # nothing to report when every pair fits
+
+
+def test_fit_pairs_counts_the_pairs_left_out_and_cut():
+    chars = SimpleNamespace(encode=lambda text: [ord(c) for c in text], eos_id=0, context_length=8)  # 9 tokens fit
+    pairs = [("abc", "defgh"), ("abc", "defghi"), ("abcdefghi", "x"), ("abcdefgh", "x")]
+    data, fit = fit_pairs(chars, pairs)
+    assert fit == ContextFit(total=4, left_out=1, cut=2, context_length=8)  # losing only the end-of-text is a cut
+    assert [len(p) + len(r) for p, r in data] == [9, 9, 9] and data == encode_pairs(chars, pairs)
+    assert fit.metrics() == {"pairs": 4, "pairs_left_out": 1, "pairs_cut": 2}
+    assert ContextFit(4, 0, 0, 8).describe() == ""
 
 
 def test_sft_memorises_worked_solutions_and_stops(tiny_policy):

@@ -91,6 +91,42 @@ def test_sft_command_writes_metrics_evals_and_policy(tiny_policy, tmp_path):
     assert load_policy(out / "policy").model_config == tiny_policy.model_config
 
 
+def test_sft_and_dpo_commands_report_the_pairs_that_do_not_fit_the_context(tiny_policy, tmp_path, capsys):
+    # Pairs longer than the context were dropped (or cut short) without a word.
+    tiny_policy.save(tmp_path / "base")
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    rows.append({"question": "What is " + " + ".join(["1"] * 150) + "?", "answer": "1 + 1 = 2\n#### 150"})
+    rows.append({"question": "What is 1 + 1?", "answer": " ".join(["1 + 1 = 2."] * 100) + "\n#### 2"})
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "sft"
+    code = main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}", *COMMON,
+                 f"--data.dataset={data}", "--data.eval_dataset=arith:1", "--sft.max_steps=2",
+                 "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("sft: 2 of 5 pairs are longer than the model's context of 160 tokens: 1 left out (the prompt "
+                        "fills it), 1 with the response cut short")
+    assert not any(line.startswith("sft:") for line in lines[1:])
+    metrics = _metrics(out)
+    assert [r["step"] for r in metrics] == [0, 1, 2, 2] and "eval_accuracy" in metrics[0]
+    assert (metrics[1]["pairs"], metrics[1]["pairs_left_out"], metrics[1]["pairs_cut"]) == (5, 1, 1)
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "Start with 3.", "chosen": " 3", "rejected": " 4"},
+        {"prompt": " 7" * 400, "chosen": " 7", "rejected": " 8"})))
+    out = tmp_path / "dpo"
+    code = main(["dpo", "dpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 f"--data.train_path={pairs}", "--data.eval_path=", "--data.eval_fraction=0", "--dpo.max_steps=1",
+                 "--dpo.micro_batch_size=1", "--dpo.grad_accum_steps=1", "--policy.device=cpu",
+                 "--run.progress=false"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("dpo: 1 of 2 training pairs are longer than the model's context of 160 tokens: 1 left out "
+                        "(the prompt fills it)")
+    assert _metrics(out)[0]["pairs_left_out"] == 1
+
 def test_grpo_and_expert_iteration_commands(tiny_policy, tmp_path):
     tiny_policy.save(tmp_path / "base")
     out = tmp_path / "grpo"

@@ -36,7 +36,16 @@ from scratchlm.align.config import DPOConfig, OptimConfig
 from scratchlm.align.logprobs import response_log_probs, tokenize_prompt_and_output
 from scratchlm.align.policy import autocast_context
 from scratchlm.align.preferences import PreferencePair
-from scratchlm.align.sft import LogFn, _bar, learning_rate, make_optimizer, optimizer_step, recorder
+from scratchlm.align.sft import (
+    ContextFit,
+    LogFn,
+    ReportFn,
+    _bar,
+    learning_rate,
+    make_optimizer,
+    optimizer_step,
+    recorder,
+)
 from scratchlm.errors import UserError
 
 EncodedPair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejected ids
@@ -69,21 +78,28 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return reference
 
 
-def encode_preference_pairs(policy: Any, pairs: Sequence[PreferencePair]) -> list[EncodedPair]:
-    """(prompt ids, chosen ids + eos, rejected ids + eos) per pair, responses cut to the context.
-
-    A pair whose prompt alone fills the context is left out: neither response could be scored.
-    """
+def fit_preference_pairs(policy: Any, pairs: Sequence[PreferencePair]) -> tuple[list[EncodedPair], ContextFit]:
+    """`encode_preference_pairs`, and how many pairs it left out or cut (either response) to fit the context."""
     limit = policy.context_length + 1  # input_ids and labels are each one shorter
     eos = [policy.eos_id] if policy.eos_id is not None else []
-    out = []
+    out, cut = [], 0
     for pair in pairs:
         prompt = policy.encode(pair.prompt)
         if len(prompt) >= limit:
             continue
         room = limit - len(prompt)
-        out.append((prompt, (policy.encode(pair.chosen) + eos)[:room], (policy.encode(pair.rejected) + eos)[:room]))
-    return out
+        chosen, rejected = policy.encode(pair.chosen) + eos, policy.encode(pair.rejected) + eos
+        cut += max(len(chosen), len(rejected)) > room
+        out.append((prompt, chosen[:room], rejected[:room]))
+    return out, ContextFit(len(pairs), len(pairs) - len(out), cut, policy.context_length)
+
+
+def encode_preference_pairs(policy: Any, pairs: Sequence[PreferencePair]) -> list[EncodedPair]:
+    """(prompt ids, chosen ids + eos, rejected ids + eos) per pair, responses cut to the context.
+
+    A pair whose prompt alone fills the context is left out: neither response could be scored.
+    """
+    return fit_preference_pairs(policy, pairs)[0]
 
 
 def preference_batch(pairs: Sequence[EncodedPair], pad_id: int, device: torch.device) -> dict[str, Tensor]:
@@ -172,19 +188,26 @@ def dpo_train(
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
+    report: ReportFn | None = None,
 ) -> list[dict[str, Any]]:
     """Train `policy.model` with DPO on preference pairs; returns one metrics dict per step.
 
     `reference` defaults to a frozen copy of the policy as it is when called. With
     `eval_pairs`, a row for step 0 holds their metrics before training, and every
     `dpo.eval_every` steps and the last step add them under ``eval_*`` keys. `save(step)`, when
-    given, runs every `dpo.save_every` steps (the caller saves the final policy).
+    given, runs every `dpo.save_every` steps (the caller saves the final policy). The step-1 row
+    also counts the training and held-out pairs and those left out or cut short to fit the
+    context (`ContextFit.metrics`); `report`, when given, gets one line on the latter before
+    training starts, if there are any.
     """
     model = policy.model
-    data = encode_preference_pairs(policy, pairs)
+    data, fit = fit_preference_pairs(policy, pairs)
     if not data:
         raise UserError("no preference pair fits the model's context (every prompt fills it)")
-    held_out = encode_preference_pairs(policy, eval_pairs)
+    held_out, eval_fit = fit_preference_pairs(policy, eval_pairs)
+    notes = [note for note in (fit.describe("training pairs"), eval_fit.describe("held-out pairs")) if note]
+    if report is not None and notes:
+        report("dpo: " + "; ".join(notes))
     reference = frozen_copy(model) if reference is None else reference
     batch = dpo.micro_batch_size * dpo.grad_accum_steps
     total = dpo.max_steps or max(1, math.ceil(dpo.num_epochs * len(data) / batch))
@@ -215,6 +238,8 @@ def dpo_train(
         lr = learning_rate(step - 1, total, optim)
         norm = optimizer_step(model, optimizer, lr, optim.max_grad_norm)
         row = {"phase": "dpo", "step": step, **_mean_of_sums(sums, batch), "lr": lr, "grad_norm": norm}
+        if step == 1:
+            row.update(fit.metrics(), **eval_fit.metrics("eval_"))
         last = step == total
         if held_out and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
             row.update(evaluate())

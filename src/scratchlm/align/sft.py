@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +33,7 @@ from scratchlm.align.logprobs import (
 from scratchlm.align.policy import autocast_context
 
 LogFn = Callable[[dict[str, Any]], None]
+ReportFn = Callable[[str], None]
 EvaluateFn = Callable[[int], dict[str, Any]]
 PACK_MULTIPLE = 64  # default packed windows (sft.pack_length = 0) are a whole number of 64-token blocks
 
@@ -86,18 +87,53 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
     return norm
 
 
-def encode_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids [+ eos]) per pair, cut to fit the policy's context length."""
+class ContextFit(NamedTuple):
+    """How `total` pairs fit a context of `context_length` tokens: `left_out` were dropped (the
+    prompt alone fills the context), `cut` kept with a response cut short (its end-of-text too)."""
+
+    total: int
+    left_out: int = 0
+    cut: int = 0
+    context_length: int = 0
+
+    def metrics(self, prefix: str = "") -> dict[str, int]:
+        """The counts as metrics-row keys: ``pairs``, ``pairs_left_out``, ``pairs_cut`` after `prefix`."""
+        return {f"{prefix}pairs": self.total, f"{prefix}pairs_left_out": self.left_out, f"{prefix}pairs_cut": self.cut}
+
+    def describe(self, what: str = "pairs") -> str:
+        """A clause on the pairs that do not fit whole, "" when all do.
+
+        >>> ContextFit(7473, 0, 12, 1024).describe()
+        "12 of 7,473 pairs are longer than the model's context of 1,024 tokens: 12 with the response cut short"
+        """
+        if not self.left_out and not self.cut:
+            return ""
+        parts = ([f"{self.left_out:,} left out (the prompt fills it)"] if self.left_out else []) + (
+            [f"{self.cut:,} with the response cut short"] if self.cut else [])
+        return (f"{self.left_out + self.cut:,} of {self.total:,} {what} are longer than the model's context of "
+                f"{self.context_length:,} tokens: " + ", ".join(parts))
+
+
+def fit_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *,
+              add_eos: bool = True) -> tuple[list[tuple[list[int], list[int]]], ContextFit]:
+    """`encode_pairs`, and how many pairs it left out or cut to fit the context."""
     limit = policy.context_length + 1  # input_ids and labels are each one shorter
-    out = []
+    out, cut = [], 0
     for prompt, response in pairs:
         p, r = policy.encode(prompt), policy.encode(response)
         if add_eos and policy.eos_id is not None:
             r = r + [policy.eos_id]
         if len(p) >= limit:
             continue  # a prompt that fills the context leaves nothing to learn from
+        cut += len(p) + len(r) > limit
         out.append((p, r[: limit - len(p)]))
-    return out
+    return out, ContextFit(len(pairs), len(pairs) - len(out), cut, policy.context_length)
+
+
+def encode_pairs(policy: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids [+ eos]) per pair, cut to fit the policy's context length
+    (a pair whose prompt fills the context is left out)."""
+    return fit_pairs(policy, pairs, add_eos=add_eos)[0]
 
 
 def default_pack_length(context_length: int, documents: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
@@ -170,22 +206,38 @@ def sft_train(
     log: LogFn | None = None,
     step_offset: int = 0,
     progress: bool = False,
+    report: ReportFn | None = None,
+    evaluate: EvaluateFn | None = None,
 ) -> list[dict[str, Any]]:
-    """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step."""
+    """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step.
+
+    The first step's row also counts the pairs and those left out or cut short to fit the
+    context (`ContextFit.metrics`); `report`, when given, gets one line on the latter once the
+    pairs are encoded, if there are any. (Packed windows leave out and cut nothing.) Then
+    `evaluate`, when given, runs on the starting policy: its results go to `log` as the
+    ``eval_*`` keys of a row for step `step_offset`, which the returned history leaves out.
+    """
     model = policy.model
     if not pairs:
         return []
     if sft.packed:
         packed = packed_sft_dataset(policy, pairs, sft=sft, seed=seed)
+        fit = ContextFit(len(pairs), context_length=policy.context_length)
         items, microbatches = len(packed), _packed_microbatches(packed, sft.micro_batch_size, policy.device)
     else:
-        data = encode_pairs(policy, pairs)
+        data, fit = fit_pairs(policy, pairs)
         if not data:  # a silent no-op would save the starting policy as the fine-tuned one
             from scratchlm.errors import UserError
 
             raise UserError(f"no SFT pair fits the model's context of {policy.context_length} tokens (every "
                             "prompt fills it); use a model with a longer context or shorter prompts")
         items, microbatches = len(data), _padded_microbatches(policy, data, sft.micro_batch_size, seed)
+    if report is not None and fit.describe():
+        report(f"sft: {fit.describe()}")
+    if evaluate is not None:
+        start = {"phase": "sft", "step": step_offset, **eval_metrics(evaluate, step_offset)}
+        if log is not None:
+            log(start)
     batch = sft.micro_batch_size * sft.grad_accum_steps
     total = sft.max_steps or max(1, math.ceil(sft.num_epochs * items / batch))
     optimizer = make_optimizer(model, optim)
@@ -207,7 +259,7 @@ def sft_train(
         lr = learning_rate(step, total, optim)
         norm = optimizer_step(model, optimizer, lr, optim.max_grad_norm)
         row = {"phase": "sft", "step": step_offset + step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm,
-               "token_entropy": entropy_sum, "response_tokens": tokens}
+               "token_entropy": entropy_sum, "response_tokens": tokens, **(fit.metrics() if step == 0 else {})}
         history.append(row)
         if log is not None and (step % max(sft.log_every, 1) == 0 or step == total - 1):
             log(row)

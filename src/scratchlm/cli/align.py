@@ -190,9 +190,8 @@ def sft_command(argv: list[str]) -> int:
     policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
     evaluate = _evaluator(policy, cfg, template, reward_fn, evals, out_dir)
-    metrics({"phase": "sft", "step": 0, **{f"eval_{k}": v for k, v in evaluate(0).items()}})
     history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
-                        progress=cfg.run.progress)
+                        progress=cfg.run.progress, report=print, evaluate=evaluate)
     metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
     policy.save(out_dir / "policy", step=len(history))
     return 0
@@ -268,7 +267,7 @@ def dpo_command(argv: list[str]) -> int:
     metrics = MetricsWriter(out_dir)
     history = dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
                         save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
-                        log=metrics, progress=cfg.run.progress)
+                        log=metrics, progress=cfg.run.progress, report=print)
     policy.save(out_dir / "policy", step=history[-1]["step"])
     return 0
 
