@@ -105,6 +105,7 @@ def test_large_vocab_uses_uint32(tmp_path):
 def test_clear_errors(tokenizer, tmp_path):
     src = tmp_path / "c.txt"
     src.write_text("hello", encoding="utf-8")
+    (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(UserError, match="not found"):
         encode_corpus(tmp_path / "missing.txt", tokenizer, tmp_path / "o.bin", progress=False)
     with pytest.raises(UserError, match="is a directory"):
@@ -119,6 +120,16 @@ def test_clear_errors(tokenizer, tmp_path):
         encode_corpus(src, src, tmp_path / "o.bin", progress=False)
     with pytest.raises(UserError, match="workers"):
         encode_corpus(src, tokenizer, tmp_path / "o.bin", num_workers=0, progress=False)
+    # A refused call leaves no output folder behind; a good one makes it.
+    with pytest.raises(UserError, match="tokenizer directory not found"):
+        encode_corpus(src, tmp_path / "no-tokenizer", tmp_path / "new" / "o.bin", progress=False)
+    with pytest.raises(UserError, match="input file is empty"):
+        encode_corpus(tmp_path / "empty.txt", tokenizer, tmp_path / "new" / "o.bin", progress=False)
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(UserError, match="c.txt is a file, not a directory"):
+        encode_corpus(src, tokenizer, src / "deeper" / "o.bin", progress=False)
+    encode_corpus(src, tokenizer, tmp_path / "new" / "deeper" / "o.bin", progress=False)
+    assert (tmp_path / "new" / "deeper" / "o.json").is_file()
 
 
 def test_invalid_utf8_strict_names_offset_and_replace_encodes(tokenizer, tmp_path):

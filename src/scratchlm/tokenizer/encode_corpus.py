@@ -58,7 +58,7 @@ import regex
 
 from scratchlm.data.token_file import is_token_file, sidecar_path, token_dtype
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import check_writable_dir, write_text_atomic
 from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -280,10 +280,8 @@ def _check_output(path: Path, source: Path) -> Path:
         raise UserError(f"output path {path} ends in .json, the name reserved for its sidecar")
     if path.resolve() == source or sidecar_path(path).resolve() == source:
         raise UserError(f"output {path} would overwrite the input")
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True)
-    elif not path.parent.is_dir():
-        raise UserError(f"output folder is not a directory: {path.parent}")
+    # A file in the way, or a folder that takes no file; a missing folder is made with the parts folder.
+    check_writable_dir(path.parent, f"output {path}")
     return path.resolve()
 
 
