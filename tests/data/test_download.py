@@ -137,6 +137,8 @@ def test_unknown_dataset_and_bad_out_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="not a directory"):
         download_dataset("tinystories-valid", tmp_path / "file")
+    with pytest.raises(UserError, match="file is a file, not a directory"):  # (was a NotADirectoryError)
+        download_dataset("tinystories-valid", tmp_path / "file" / "sub")
 
 
 def test_registry_entries():

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scratchlm.data.registry import MIRROR_ENV, DatasetEntry, get_dataset
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import check_writable_dir, write_text_atomic
 
 BLOCK = 1 << 20
 USER_AGENT = "scratchlm-download/0.1"
@@ -76,12 +76,13 @@ def download_dataset(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out-dir {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     final = out / entry.local_name
     checksum_file = final.with_name(final.name + ".sha256")
 
     if final.exists():
         return _already_present(entry, final, checksum_file, expected)
+    check_writable_dir(out, f"--out-dir {out}")  # a file in the way, or a folder that takes no file
+    out.mkdir(parents=True, exist_ok=True)
 
     served = out / entry.remote_name
     if entry.compression and served.is_file():  # downloaded by an earlier run that stopped unpacking
