@@ -246,6 +246,24 @@ def test_a_config_that_differs_only_in_formatting_is_the_same_point(preset, tmp_
     assert "finished already" in lines[0]
 
 
+def test_a_sweep_folder_moved_or_spelled_otherwise_is_the_same_sweep(preset, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2,3e-3"]), out)
+    run_sweep(points[:1], out, echo=lambda line: None)
+    killed = Trainer(points[1].cfg, points[1].run_dir)
+    killed.fit(until=2)
+    killed.logger.close()
+    out.rename(tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)
+    for where in ("moved", tmp_path / "moved"):  # a relative --out, then the absolute one
+        moved = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2,3e-3"]), where)
+        lines = []
+        rows = run_sweep(moved, where, echo=lines.append)
+        assert "finished already" in lines[0]
+        assert [r["finished"] for r in rows] == [True, True]
+    assert "finished already" in lines[1]
+
+
 def test_summary_prefers_the_elapsed_seconds_a_trainer_logs(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

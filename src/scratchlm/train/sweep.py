@@ -183,6 +183,8 @@ def point_status(point: SweepPoint) -> str:
     is refused: resuming or skipping it would mix two experiments under one name. The configs
     are compared as parsed TOML, so key order and number spelling do not matter, and a key the
     saved config does not name (written before the key existed) compares as its default.
+    ``trainer.out_dir`` is not compared: the sweep sets it to ``run_dir`` itself, which the saved
+    config may spell otherwise (``--out`` given as an absolute path, or the sweep's folder moved).
     """
     run_dir = point.run_dir
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
@@ -195,7 +197,7 @@ def point_status(point: SweepPoint) -> str:
             raise UserError(f"{saved} is not valid TOML ({exc}); move the run aside or use another --out") from None
         old = {**_flat_toml(config_to_toml(type(point.cfg)())), **old}
         new = _flat_toml(config_to_toml(point.cfg))
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in _RESERVED)
         if changed:
             raise UserError(f"{run_dir} holds a run of a different config than this sweep's point {point.name} "
                             f"(it differs in {', '.join(changed)}); rerun with the same config and overrides, "
