@@ -214,6 +214,32 @@ def test_export_command_refuses(tmp_path, capsys):
     assert err.startswith("scratchlm export: error: only the default Llama architecture") and "Traceback" not in err
 
 
+def test_an_export_that_fails_midway_leaves_no_partial_files(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    model, cfg = _model(seed=4)
+    run = _run_dir(tmp_path, model, cfg)
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    out = tmp_path / "hf"
+    assert _cli([str(run), "--to", "hf", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "\n" not in err.strip()
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "keep.txt").write_text("mine")
+    assert _cli([str(run), "--to", "hf", str(kept), "--overwrite"]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["keep.txt"]
+
+
 def test_export_command_refuses_to_write_into_a_checkpoint(tmp_path, capsys):
     from scratchlm.train.checkpoint import load_trained_model
 

@@ -182,11 +182,20 @@ def export_command(argv: list[str]) -> int:
         why = hf_unsupported(tokenizer)
         if why is not None:
             raise UserError(f"cannot export the tokenizer: {why}")
+    created = not out.exists()
     if out.is_dir():
         # Files of an earlier export that this one might not rewrite (e.g. tokenizer files).
         for name in EXPORT_FILES:
             (out / name).unlink(missing_ok=True)
-    written = export_hf(model, cfg, out, tokenizer=tokenizer)
+    try:
+        written = export_hf(model, cfg, out, tokenizer=tokenizer)
+    except BaseException:
+        # A disk that fills up, or Ctrl-C: leave no half-written export behind.
+        for name in EXPORT_FILES:
+            (out / name).unlink(missing_ok=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
     architecture = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     print(f"exported {source} to {out} as {architecture} ({', '.join(sorted(p.name for p in written))})")
     return 0
