@@ -91,6 +91,15 @@ def test_options_the_trainer_refuses_together_fail_before_any_run(preset, tmp_pa
     assert not out.exists()
 
 
+def test_a_key_both_overridden_and_swept_is_refused(preset, tmp_path):
+    # The grid's values would silently replace the override's.
+    out = tmp_path / "sweep"
+    with pytest.raises(UserError, match="--optim.lr is both an override and a --grid key") as err:
+        plan_sweep(preset, ["--optim.lr=1e-2"], parse_grid(GRID), out)
+    assert "\n" not in str(err.value)
+    assert not out.exists()
+
+
 def test_a_sweep_needs_validation_data_and_one_process(preset, tmp_path):
     with pytest.raises(UserError, match="data.val_path"):
         plan_sweep(preset, ["--data.val_path="], parse_grid(GRID), tmp_path / "s")

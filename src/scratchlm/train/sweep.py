@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scratchlm.config import config_to_toml, load_config
+from scratchlm.config import config_to_toml, load_config, parse_override
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
 from scratchlm.train.config import TrainConfig
@@ -132,6 +132,10 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
     from scratchlm.train.trainer import check_combinations
 
     base = load_config(TrainConfig, preset, overrides)
+    for text in overrides:  # the point's value would silently replace the override's
+        key = ".".join(parse_override(text)[0])
+        if any(axis.key == key for axis in axes):
+            raise UserError(f"--{key} is both an override and a --grid key; give its values in --grid {key}=... only")
     if base.parallel.strategy != "none":
         raise UserError("scratchlm sweep runs its points one after another in one process; "
                         f"parallel.strategy must be none, not {base.parallel.strategy!r}")
