@@ -91,6 +91,16 @@ def test_options_the_trainer_refuses_together_fail_before_any_run(preset, tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize("spec", ["optim.lr=1e-3,0.001", "trainer.compile=true,True"])
+def test_one_value_spelled_two_ways_is_refused(preset, tmp_path, spec):
+    # Two run directories would train the same config twice and list it twice in the summary.
+    out = tmp_path / "sweep"
+    with pytest.raises(UserError, match="are the same config values") as err:
+        plan_sweep(preset, [], parse_grid([spec, "model.d_model=32,16"]), out)
+    assert "\n" not in str(err.value)
+    assert not out.exists()
+
+
 def test_a_key_both_overridden_and_swept_is_refused(preset, tmp_path):
     # The grid's values would silently replace the override's.
     out = tmp_path / "sweep"

@@ -151,7 +151,7 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         raise UserError(f"the sweep's folder {root} exists and is not a directory; choose another with --out")
     if looks_like_run_dir(root):
         raise UserError(f"the sweep's folder {root} is the directory of a training run; choose another with --out")
-    points, seen = [], {}
+    points, seen, same_values = [], {}, {}
     for values in grid_points(axes):
         name = point_name(values)
         if name in seen:
@@ -166,7 +166,13 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
             check_combinations(cfg)  # what the trainer would refuse only when the point starts
         except UserError as exc:
             raise UserError(f"--grid point {name}: {exc}") from None
-        points.append(SweepPoint(name, dict(values), cfg))
+        point = SweepPoint(name, dict(values), cfg)
+        typed = repr(swept_values(point))  # 1e-3 and 0.001 are one value: one run, not two
+        if typed in same_values:
+            raise UserError(f"--grid points {same_values[typed]} and {name} are the same config values "
+                            f"({typed[1:-1]}); list each value once")
+        same_values[typed] = name
+        points.append(point)
     return points
 
 
