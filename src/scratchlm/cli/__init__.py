@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "tokenizer-stats": ("scratchlm.cli.tokenizer", "tokenizer_stats_command",
                         "compression and vocabulary statistics of a tokenizer on a sample"),
     "encode": ("scratchlm.cli.data", "encode_command",
-               "encode a text corpus to a flat uint16 token file, on all cores"),
+               "encode a text corpus to a flat token file (uint16; uint32 past 65,536 ids), on all cores"),
     "train": ("scratchlm.cli.train", "train_command",
               "train a Transformer LM from a TOML config"),
     "sweep": ("scratchlm.cli.sweep", "sweep_command", "train a run per point of a grid of config values"),
