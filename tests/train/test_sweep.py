@@ -170,14 +170,19 @@ def test_a_2x2_sweep_writes_four_runs_and_a_summary_that_matches_their_metrics(p
     assert (out / "sweep.png").stat().st_size > 1000
 
 
-def test_rerunning_skips_finished_points_and_resumes_an_unfinished_one(preset, tmp_path, monkeypatch):
-    out = tmp_path / "sweep"
+def _killed_in_point_2(preset, out):
+    """A two-point sweep into `out` killed during point 2, after its checkpoint at step 2."""
     points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2,3e-3"]), out)
-    # The sweep was killed during point 2, after its checkpoint at step 2.
     run_sweep(points[:1], out, echo=lambda line: None)
     killed = Trainer(points[1].cfg, points[1].run_dir)
     killed.fit(until=2)
     killed.logger.close()
+    return points
+
+
+def test_rerunning_skips_finished_points_and_resumes_an_unfinished_one(preset, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    points = _killed_in_point_2(preset, out)
     finished_log = (points[0].run_dir / "metrics.jsonl").read_text()
 
     started = []
@@ -267,11 +272,7 @@ def test_a_config_that_differs_only_in_formatting_is_the_same_point(preset, tmp_
 
 def test_a_sweep_folder_moved_or_spelled_otherwise_is_the_same_sweep(preset, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
-    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2,3e-3"]), out)
-    run_sweep(points[:1], out, echo=lambda line: None)
-    killed = Trainer(points[1].cfg, points[1].run_dir)
-    killed.fit(until=2)
-    killed.logger.close()
+    _killed_in_point_2(preset, out)
     out.rename(tmp_path / "moved")
     monkeypatch.chdir(tmp_path)
     for where in ("moved", tmp_path / "moved"):  # a relative --out, then the absolute one
