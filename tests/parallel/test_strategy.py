@@ -35,6 +35,18 @@ def test_single_process_strategy_is_a_world_of_one_without_a_process_group():
     strategy.close()
 
 
+def test_single_process_strategy_under_torchrun_is_refused(monkeypatch):
+    """`torchrun --nproc_per_node=2 ... --parallel.strategy=none` would train the run twice, into one folder."""
+    from scratchlm.errors import UserError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(UserError, match=r"parallel.strategy='none' runs one process, but this is one of 2"):
+        init_strategy(ParallelConfig(), device="cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_strategy(ParallelConfig(), device="cpu").world_size == 1
+
+
 def _norm_and_grads(model: torch.nn.Module, clip, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     (x, y), = dist_workers.batches(1, 1, seed=seed)[0]
     dist_workers.loss_fn(model, x, y).backward()

@@ -255,6 +255,10 @@ def init_strategy(cfg: ParallelConfig, *, device: str | torch.device = "auto") -
 
     cls = STRATEGIES[cfg.strategy]
     if not issubclass(cls, DistributedStrategy):
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:  # every rank would train the whole run alone, into the same run directory
+            raise UserError(f"parallel.strategy={cfg.strategy!r} runs one process, but this is one of "
+                            f"{world_size} (WORLD_SIZE): choose a distributed strategy such as 'ddp'")
         return cls(cfg, device=resolve_device(device))
     return cls(cfg, **_join_process_group(cfg))
 
