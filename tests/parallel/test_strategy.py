@@ -47,6 +47,27 @@ def test_single_process_strategy_under_torchrun_is_refused(monkeypatch):
     assert init_strategy(ParallelConfig(), device="cpu").world_size == 1
 
 
+def test_distributed_strategy_device_must_fit_the_backend(monkeypatch):
+    """`--trainer.device=cuda --parallel.strategy=ddp` on a CPU machine trained on the CPU, silently."""
+    import torch.distributed as dist
+
+    from scratchlm.errors import UserError
+    from scratchlm.parallel import strategy as strategy_module
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA is not available"):
+            init_strategy(ParallelConfig(strategy="ddp"), device="cuda")
+    monkeypatch.setattr(strategy_module, "resolve_device", lambda name: torch.device("cuda"))
+    with pytest.raises(UserError, match=r"parallel.backend='gloo' does not run on device 'cuda'.*use 'nccl'"):
+        init_strategy(ParallelConfig(strategy="ddp", backend="gloo"), device="cuda")
+    monkeypatch.setattr(strategy_module, "resolve_device", lambda name: torch.device("mps"))
+    with pytest.raises(UserError, match="runs on the CPU .gloo. or CUDA .nccl., not on device 'mps'"):
+        init_strategy(ParallelConfig(strategy="ddp"), device="mps")
+    assert not dist.is_initialized()
+
+
 def _norm_and_grads(model: torch.nn.Module, clip, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     (x, y), = dist_workers.batches(1, 1, seed=seed)[0]
     dist_workers.loss_fn(model, x, y).backward()

@@ -249,7 +249,8 @@ def init_strategy(cfg: ParallelConfig, *, device: str | torch.device = "auto") -
     joins (or reuses) the process group described by torchrun's environment variables: RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a lone process without them becomes a
     world of one on a free local port). Its backend is NCCL when CUDA is available, else gloo,
-    unless `cfg.backend` names one; each rank uses cuda:LOCAL_RANK.
+    unless `cfg.backend` names one; each rank uses cuda:LOCAL_RANK. A `device` other than "auto"
+    must fit the backend (CPU: gloo, CUDA: nccl) and picks it when `cfg.backend` is "auto".
     """
     from scratchlm.parallel.registry import STRATEGIES
 
@@ -260,11 +261,14 @@ def init_strategy(cfg: ParallelConfig, *, device: str | torch.device = "auto") -
             raise UserError(f"parallel.strategy={cfg.strategy!r} runs one process, but this is one of "
                             f"{world_size} (WORLD_SIZE): choose a distributed strategy such as 'ddp'")
         return cls(cfg, device=resolve_device(device))
-    return cls(cfg, **_join_process_group(cfg))
+    return cls(cfg, **_join_process_group(cfg, device))
 
 
-def _join_process_group(cfg: ParallelConfig) -> dict[str, Any]:
-    """Join torchrun's process group (or follow one joined already); the strategy's placement."""
+def _join_process_group(cfg: ParallelConfig, device_name: str | torch.device = "auto") -> dict[str, Any]:
+    """Join torchrun's process group (or follow one joined already); the strategy's placement.
+
+    The backend decides the device (nccl: cuda:LOCAL_RANK, gloo: the CPU); a `device_name`
+    other than "auto" must agree with it, and picks the backend when that is "auto"."""
     import torch.distributed as dist
 
     from scratchlm.parallel.process_group import default_backend, find_free_port
@@ -272,9 +276,18 @@ def _join_process_group(cfg: ParallelConfig) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = cfg.backend if cfg.backend != "auto" else default_backend()
+    wanted = None if str(device_name) == "auto" else resolve_device(device_name)
+    backend = cfg.backend if cfg.backend != "auto" else default_backend(wanted)
     if backend == "nccl" and not torch.cuda.is_available() and not dist.is_initialized():
         raise UserError("parallel.backend='nccl' needs CUDA; use 'gloo' (or 'auto') on CPU")
+    if wanted is not None and not dist.is_initialized():
+        if wanted.type not in ("cpu", "cuda"):
+            raise UserError(f"parallel.strategy={cfg.strategy!r} runs on the CPU (gloo) or CUDA (nccl), "
+                            f"not on device {str(device_name)!r}")
+        if (wanted.type == "cuda") != (backend == "nccl"):
+            fit = "'nccl'" if wanted.type == "cuda" else "'gloo'"
+            raise UserError(f"parallel.backend={backend!r} does not run on device {str(device_name)!r} "
+                            f"(gloo trains on the CPU, nccl on CUDA): use {fit} or 'auto'")
     device = torch.device("cpu")
     owns = not dist.is_initialized()
     if owns and backend == "nccl":
