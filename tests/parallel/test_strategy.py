@@ -22,6 +22,18 @@ def test_registry_names_are_the_accepted_config_values():
                                "torch_ddp", "torch_fsdp2"}
 
 
+def test_compute_dtype_is_refused_for_strategies_that_ignore_it():
+    """`--parallel.strategy=ddp --parallel.compute_dtype=bf16` trained in fp32 without a word."""
+    for name, cls in STRATEGIES.items():
+        if cls.uses_compute_dtype:
+            assert ParallelConfig(strategy=name, compute_dtype="bf16").compute_dtype == "bf16"
+        else:
+            with pytest.raises(ValueError, match=rf"compute_dtype='bf16' applies to fsdp, torch_fsdp2 only, "
+                                                 rf"not parallel.strategy='{name}'"):
+                ParallelConfig(strategy=name, compute_dtype="bf16")
+    assert {n for n, c in STRATEGIES.items() if c.uses_compute_dtype} == {"fsdp", "torch_fsdp2"}
+
+
 def test_single_process_strategy_is_a_world_of_one_without_a_process_group():
     import torch.distributed as dist
 

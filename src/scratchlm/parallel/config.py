@@ -32,6 +32,10 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
             )
+        if self.compute_dtype != "none" and not STRATEGIES[self.strategy].uses_compute_dtype:
+            users = ", ".join(name for name, cls in STRATEGIES.items() if cls.uses_compute_dtype)
+            raise ValueError(f"parallel.compute_dtype={self.compute_dtype!r} applies to {users} only, "
+                             f"not parallel.strategy={self.strategy!r} (use trainer.dtype for mixed precision)")
         if self.optimizer_state not in OPTIMIZER_STATE_FORMATS:
             raise ValueError(
                 f"parallel.optimizer_state must be 'full' or 'sharded', got {self.optimizer_state!r}"

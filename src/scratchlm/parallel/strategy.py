@@ -77,6 +77,9 @@ class Strategy:
     supports_fused_lm_head: ClassVar[bool] = False
     # Evaluation may run the plain (uncompiled, unwrapped) model: same loss, no second compiled graph.
     eval_plain_model: ClassVar[bool] = False
+    # Whether `wrap_model` computes in `parallel.compute_dtype` (the FSDP strategies); the config
+    # refuses a compute dtype for the others, which would train in fp32 without saying so.
+    uses_compute_dtype: ClassVar[bool] = False
 
     def __init__(self, cfg: ParallelConfig, *, device: torch.device, rank: int = 0, world_size: int = 1,
                  local_rank: int = 0, backend: str | None = None, owns_process_group: bool = False) -> None:

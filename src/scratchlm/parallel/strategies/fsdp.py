@@ -16,6 +16,7 @@ class FSDPStrategy(ShardedStateStrategy):
     """`scratchlm.parallel.fsdp.FSDP` with `parallel.compute_dtype`."""
 
     name = "fsdp"
+    uses_compute_dtype = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from scratchlm.parallel.fsdp import FSDP

@@ -23,6 +23,7 @@ class TorchFSDP2Strategy(ShardedStateStrategy):
     """`torch.distributed.fsdp.fully_shard` on each Linear/Embedding, then on the root."""
 
     name = "torch_fsdp2"
+    uses_compute_dtype = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
