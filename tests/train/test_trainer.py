@@ -121,6 +121,31 @@ def test_a_crash_in_evaluation_keeps_the_checkpoint_and_resume_redoes_the_eval(c
     assert [s for s, _ in _losses(run, "eval", "val_loss")] == [0, 4, 8, 12]
 
 
+@pytest.mark.parametrize("poison_grad, message", [(True, "gradient norm became nan at step 4"),
+                                                    (False, "loss became nan at step 6")])
+def test_a_diverged_run_stops_before_it_saves_nan_weights(cfg, tmp_path, monkeypatch, poison_grad, message):
+    """An update with a NaN gradient norm (logged at step 4), or NaN weights whose loss is not
+    logged before the checkpoint at step 6, stop the run: `latest` stays the finite step 3."""
+    run = tmp_path / "run"
+    cfg = replace(cfg, trainer=replace(cfg.trainer, log_interval=4, checkpoint_interval=3))
+    real = trainer_mod.Trainer._train_step
+
+    def step(self):
+        real(self)
+        if self.step == (4 if poison_grad else 5):
+            with torch.no_grad():
+                for p in self.raw_model.parameters():
+                    p.fill_(math.nan)
+            if poison_grad:
+                self._grad_norm = torch.tensor(math.nan)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_train_step", step)
+    with pytest.raises(UserError, match=message):
+        run_training(cfg)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert all(torch.isfinite(w).all() for w in _weights(run).values())
+
+
 def test_existing_run_dir_needs_resume_or_overwrite(cfg, tmp_path):
     run_training(cfg)
     with pytest.raises(UserError, match="already exists"):

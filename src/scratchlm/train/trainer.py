@@ -13,7 +13,9 @@ same losses as an uninterrupted one (tests/train/test_trainer.py checks this). R
 already logged its "end" and has nothing left to train writes nothing and only says so.
 
 Order at a step: log, then checkpoint, then evaluate — so a crash in evaluation or sampling
-never costs the newest checkpoint.
+never costs the newest checkpoint. A NaN or infinite training loss or gradient norm stops the run
+with a one-line error when it is logged or before a checkpoint is written, so `latest` stays the
+last checkpoint with finite weights.
 
 The training clock (``elapsed_s`` in every train and eval record) runs from the first step of
 `fit`, compilation and warm-up included, and stops during evaluations and checkpoint writes
@@ -419,8 +421,7 @@ class Trainer:
             values = self.strategy.all_reduce_means((self._moe_window / self._window_steps).tolist())
             moe = moe_record(values, self.cfg.model.moe_num_experts)
             self._moe_window.zero_()
-        if not math.isfinite(loss):
-            raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
+        self._check_finite(loss)
         record = {"event": "train", "step": self.step, "loss": loss, "lr": self._lr,
                   "grad_norm": float(self._grad_norm), **self.throughput.measure(self.device),
                   "memory_gb": memory_gb(self.device), "elapsed_s": self._elapsed, "tokens": self._tokens, **moe}
@@ -428,6 +429,16 @@ class Trainer:
         self._window_steps = 0
         self._emit(record)
         return record
+
+    def _check_finite(self, loss: float | None) -> None:
+        """Stop a diverged run: a NaN or infinite loss, or gradient norm (whose update has turned
+        the weights NaN), before it is logged as training or saved as a checkpoint."""
+        grad_norm = float(getattr(self, "_grad_norm", 0.0))
+        if loss is not None and not math.isfinite(loss):
+            raise UserError(f"the training loss became {loss} at step {self.step}; try a lower optim.lr")
+        if not math.isfinite(grad_norm):
+            raise UserError(f"the gradient norm became {grad_norm} at step {self.step}, which made the weights "
+                            "NaN; try a lower optim.lr")
 
     def _eval_due(self, step: int) -> bool:
         if not self.data.has_validation:
@@ -521,6 +532,11 @@ class Trainer:
             return self._save_checkpoint()
 
     def _save_checkpoint(self) -> Path:
+        # A diverged run keeps its last finite checkpoint as `latest` (the loss of the steps
+        # since the last log, which is not checked yet, and the last update's gradient norm).
+        window = self.strategy.all_reduce_mean((self._window_loss / self._window_steps).item()) \
+            if self._window_steps else None
+        self._check_finite(window)
         model_state = self.strategy.full_state_dict(self.model)
         optim_state = self.strategy.optimizer_state_dict(self.optimizer)
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
