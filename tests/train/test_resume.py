@@ -121,6 +121,20 @@ def test_resuming_a_finished_run_writes_nothing_and_says_so(cfg, tmp_path, caplo
     assert ends == [12, 16] and train_steps(run) == list(range(1, 17))
 
 
+def test_resuming_an_unfinished_run_past_a_lowered_max_steps_is_refused(cfg, tmp_path):
+    """It used to train nothing and log no end, after rewriting config.toml with the lower max_steps."""
+    run = tmp_path / "run"
+    stop_at(cfg, run, 8)
+    files = ("metrics.jsonl", "config.toml")
+    before = {name: (run / name).read_text() for name in files}
+    with pytest.raises(UserError, match=r"step_000008 is at step 8, past trainer.max_steps=6: set trainer.max_steps "
+                                        r"above 8"):
+        run_training(replace(cfg, trainer=replace(cfg.trainer, max_steps=6)), resume=True)
+    assert {name: (run / name).read_text() for name in files} == before
+    run_training(cfg, resume=True)  # with its own max_steps it trains on and ends
+    assert train_steps(run) == list(range(1, 13))
+
+
 # ---------------------------------------------------------------- pruning
 
 

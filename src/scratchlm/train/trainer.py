@@ -578,6 +578,11 @@ class Trainer:
         if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
+        step, max_steps = int(state["step"]), self.cfg.trainer.max_steps
+        if step > max_steps and not self._has_record("end", step):
+            # fit would train nothing and end nothing, after rewriting config.toml with this max_steps
+            raise UserError(f"{step_dir} is at step {step}, past trainer.max_steps={max_steps}: set "
+                            f"trainer.max_steps above {step} to train on, or --resume-from an earlier step")
         weights = ckpt.load_weights(step_dir / ckpt.WEIGHTS)
         # The run's config.toml, which `run_training` compares first, may be missing or edited.
         ckpt.check_weights_fit(build_model(self.cfg.model, device="meta"), weights, step_dir / ckpt.WEIGHTS,
