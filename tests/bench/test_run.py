@@ -43,3 +43,15 @@ def test_out_of_memory_message_says_whether_the_weights_fit(monkeypatch, mode, t
     assert message.startswith(f"out of GPU memory in {mode} with batch 4 x context 512 (1M parameters)")
     assert ("--activation-checkpointing 1" in message) == weights_fit
     assert ("alone need" in message) == (not weights_fit)
+
+
+def test_torch_fused_optimizer_is_fused_on_cpu_too():
+    """--optimizer torch_fused on CPU timed the unfused AdamW under the fused name."""
+    import torch
+
+    from scratchlm.bench.run import _build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = _build_optimizer(model, BenchOptions(optimizer="torch_fused"), torch.device("cpu"))
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+

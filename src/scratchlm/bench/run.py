@@ -197,7 +197,7 @@ def _forward_and_loss(model: torch.nn.Module, options: BenchOptions):
 
 def _build_optimizer(model: torch.nn.Module, options: BenchOptions, device: torch.device) -> torch.optim.Optimizer:
     if options.optimizer == "torch_fused":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too: what --optimizer names
     from scratchlm.optim.adamw import AdamW
 
     return AdamW(model.parameters(), lr=1e-4, fused=options.optimizer == "scratchlm_fused" or None)
