@@ -54,3 +54,12 @@ def test_bad_input_is_a_user_error():
 def test_out_of_range_sizes_are_user_errors(extra, message):
     with pytest.raises(UserError, match=message):
         bench_command([*TINY, *extra])
+
+
+def test_a_backend_that_cannot_run_on_the_device_is_refused(capsys):
+    """flash_triton on CPU attends with 'math': the table and JSON named flash_triton for math's timings."""
+    with pytest.raises(UserError, match=r"'flash_triton' does not run on cpu .*math or flash_torch"):
+        bench_command([*TINY, "--mode", "forward", "--attention-backend", "flash_triton"])
+    with pytest.raises(UserError, match="'flash_triton' does not run on cpu"):
+        bench_command([*TINY, "--mode", "forward", "--model.attention_backend=flash_triton"])
+

@@ -113,6 +113,7 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     return a results dict: the run's description and, under "modes", one summary per mode."""
     device, precision = _device_and_precision(options)
     cfg = _model_config(options, list(overrides))
+    _check_attention_backend(cfg.attention_backend, device)
     model = _build_model(cfg, options, device, precision)
     runner, loss_fn = _forward_and_loss(model, options)
     optimizer = _build_optimizer(model, options, device)
@@ -162,6 +163,16 @@ def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     if options.activation_checkpointing < 0:
         raise UserError(f"--activation-checkpointing must be >= 0 (0: off), got {options.activation_checkpointing}")
     return device, precision
+
+
+def _check_attention_backend(name: str, device: torch.device) -> None:
+    """A backend that cannot run on `device` would time 'math' under its name: refuse it."""
+    from scratchlm.model.attention_backends import ATTENTION_BACKENDS
+
+    if not ATTENTION_BACKENDS[name]().runs_on(device):
+        usable = [n for n, cls in ATTENTION_BACKENDS.items() if cls().runs_on(device)]
+        raise UserError(f"attention backend {name!r} does not run on {device.type} tensors (its calls would "
+                        f"time 'math' instead); choose --attention-backend {' or '.join(usable)}")
 
 
 def _build_model(cfg: Any, options: BenchOptions, device: torch.device, precision: str) -> torch.nn.Module:
