@@ -55,3 +55,18 @@ def test_torch_fused_optimizer_is_fused_on_cpu_too():
     optimizer = _build_optimizer(model, BenchOptions(optimizer="torch_fused"), torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
 
+
+def test_memory_snapshot_path_problems_are_refused_before_the_timing(monkeypatch, tmp_path):
+    import torch
+
+    from scratchlm.bench.run import _check_output_file
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is a directory"):
+        _check_output_file(str(tmp_path), "--memory-snapshot")
+    with pytest.raises(UserError, match=r"file is a file, not a directory"):
+        _check_output_file(str(tmp_path / "file" / "snap.pickle"), "--memory-snapshot")
+    _check_output_file(str(tmp_path / "new" / "snap.pickle"), "--memory-snapshot")  # created when written
+    monkeypatch.setattr("scratchlm.bench.run.timing_device", lambda name: torch.device("cuda"))
+    with pytest.raises(UserError, match="is a directory"):
+        run_bench(BenchOptions(**{**TINY, "memory_snapshot": str(tmp_path)}))

@@ -63,3 +63,17 @@ def test_a_backend_that_cannot_run_on_the_device_is_refused(capsys):
     with pytest.raises(UserError, match="'flash_triton' does not run on cpu"):
         bench_command([*TINY, "--mode", "forward", "--model.attention_backend=flash_triton"])
 
+
+def test_memory_snapshot_off_cuda_is_refused_before_the_timing(monkeypatch, tmp_path):
+    """--device cpu --memory-snapshot on a GPU machine recorded the CUDA allocator of a CPU step."""
+    import torch
+
+    import scratchlm.bench.run as bench_run
+
+    def not_timed(*args, **kwargs):
+        raise AssertionError("timed before refusing")
+
+    monkeypatch.setattr(bench_run, "benchmark", not_timed)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="--memory-snapshot records the CUDA allocator: it needs a CUDA device, not cpu"):
+        bench_command([*TINY, "--memory-snapshot", str(tmp_path / "snap.pickle")])

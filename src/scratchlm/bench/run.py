@@ -18,6 +18,7 @@ import logging
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,7 +163,22 @@ def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
         raise UserError(f"--vocab-size must be >= 1, got {options.vocab_size}")
     if options.activation_checkpointing < 0:
         raise UserError(f"--activation-checkpointing must be >= 0 (0: off), got {options.activation_checkpointing}")
+    if options.memory_snapshot:
+        # Checked before the timing, not when the snapshot is written after it.
+        if device.type != "cuda":
+            raise UserError(f"--memory-snapshot records the CUDA allocator: it needs a CUDA device, not {device}")
+        _check_output_file(options.memory_snapshot, "--memory-snapshot")
     return device, precision
+
+
+def _check_output_file(path: str, flag: str) -> None:
+    """Refuse an output file that cannot be written: a folder, or below a file."""
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
 
 
 def _check_attention_backend(name: str, device: torch.device) -> None:
