@@ -247,6 +247,22 @@ def test_bad_inputs_are_user_errors(cfg, tmp_path):
         TrainerConfig(batch_size=5, grad_accum_steps=2)
 
 
+def test_a_warmup_longer_than_the_run_is_warned_about(cfg, tmp_path, caplog):
+    import logging
+
+    short = replace(cfg, optim=replace(cfg.optim, warmup_steps=30), trainer=replace(cfg.trainer, max_steps=3))
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(short)
+    assert ("optim.warmup_steps=30 is not below trainer.max_steps=3: the learning rate rises for the whole run "
+            "(to 10% of optim.lr=0.01) and never decays") in caplog.text
+    assert [r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"][-1] \
+        == pytest.approx(1e-3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(_with_out(cfg, tmp_path / "normal"))  # warmup_steps=2 of 12
+    assert "warmup_steps" not in caplog.text
+
+
 def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):
     import time
 

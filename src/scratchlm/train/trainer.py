@@ -204,6 +204,11 @@ class Trainer:
         # complete: nothing more is written to it and `fit` only says so.
         self.finished = bool(resume) and (self.step >= tc.max_steps or self._budget_spent()) \
             and self._has_record("end", self.step)
+        warmup = cfg.optim.warmup_steps
+        if self.is_main and not self.finished and not tc.time_budget_s and warmup >= tc.max_steps > 0:
+            log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning rate rises for the "
+                        "whole run (to %.0f%% of optim.lr=%g) and never decays; lower optim.warmup_steps",
+                        warmup, tc.max_steps, 100 * tc.max_steps / warmup, cfg.optim.lr)
         if self.is_main and not self.finished:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", self.config_text)
