@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -248,8 +248,8 @@ def _apply_merge(best: str, N: str, words: list[str], freqs: list[int],
     """Merge the pair ``best`` into the new token N in every word holding it, updating the pair
     index and counts; returns the counts of the pairs with N, which did not exist before."""
     A, B = best[0], best[1]
-    fresh: dict[str, int] = {}
-    fresh_words: dict[str, list[int]] = {}
+    fresh: defaultdict[str, int] = defaultdict(int)
+    fresh_words: defaultdict[str, list[int]] = defaultdict(list)
     for wi in pair_words.pop(best):
         word = words[wi]
         merged = word.replace(best, N)
@@ -271,23 +271,15 @@ def _apply_merge(best: str, N: str, words: list[str], freqs: list[int],
                 else:
                     pair_counts[left + A] -= n
                     pair = left + N
-                    fresh[pair] = fresh.get(pair, 0) + n
-                    where = fresh_words.get(pair)
-                    if where is None:
-                        fresh_words[pair] = [wi]
-                    else:
-                        where.append(wi)
+                    fresh[pair] += n
+                    fresh_words[pair].append(wi)
             if j < last:
                 right = merged[j + 1]
                 if right != N:
                     pair_counts[B + right] -= n
                 pair = N + right
-                fresh[pair] = fresh.get(pair, 0) + n
-                where = fresh_words.get(pair)
-                if where is None:
-                    fresh_words[pair] = [wi]
-                else:
-                    where.append(wi)
+                fresh[pair] += n
+                fresh_words[pair].append(wi)
             j = merged.find(N, j + 1)
     del pair_counts[best]
     pair_counts.update(fresh)
