@@ -298,8 +298,7 @@ def test_a_tiny_model_learns_with_muon_on_cpu(tmp_path):
 def test_an_interrupted_muon_run_resumes_exactly(tmp_path, monkeypatch):
     from scratchlm.cli.train import run_training
     from scratchlm.train import checkpoint as ckpt
-    from scratchlm.train.data_feed import TrainData
-    from tests.train.small_runs import losses
+    from tests.train.small_runs import crash_at_step_7_then_resume, losses
 
     cfg = _muon_cfg(tmp_path)
     straight, broken = tmp_path / "straight", tmp_path / "broken"
@@ -307,21 +306,7 @@ def test_an_interrupted_muon_run_resumes_exactly(tmp_path, monkeypatch):
     state = ckpt.read_torch(ckpt.latest_step_dir(straight) / ckpt.OPTIMIZER)
     kinds = {frozenset(s) for s in state["state"].values()}
     assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
-
-    real, calls = TrainData.next_batch, {"n": 0}
-
-    def crash_at_step_7(self, device):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise RuntimeError("node lost")
-        return real(self, device)
-
-    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
-    broken_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(broken)))
-    with pytest.raises(RuntimeError, match="node lost"):
-        run_training(broken_cfg)
-    monkeypatch.setattr(TrainData, "next_batch", real)
-    run_training(broken_cfg, resume=True)
+    crash_at_step_7_then_resume(cfg, broken, monkeypatch)
     assert losses(broken) == losses(straight)  # bitwise: momentum and moments came back
     a, b = (ckpt.load_weights(ckpt.latest_step_dir(r) / ckpt.WEIGHTS) for r in (straight, broken))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from scratchlm.config import load_config
 from scratchlm.train.config import TrainConfig
@@ -44,3 +45,30 @@ def make_cfg(tmp_path, **trainer) -> TrainConfig:
 def losses(run_dir, event="train", key="loss"):
     """(step, value) of each `event` record of a run's metrics.jsonl."""
     return [(r["step"], r[key]) for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == event]
+
+
+def crash_at_step_7_then_resume(cfg, broken, monkeypatch, after_crash=None) -> None:
+    """Train `cfg` into `broken`, lose the process at step 7, then resume it to the end.
+
+    The crash is the 7th `TrainData.next_batch` call (after the checkpoint at step 4 and two
+    logged steps past it); `after_crash`, when given, runs between the crash and the resume."""
+    from scratchlm.cli.train import run_training
+    from scratchlm.train.data_feed import TrainData
+
+    broken_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(broken)))
+    calls = {"n": 0}
+    real_next = TrainData.next_batch
+
+    def crash_at_step_7(self, device):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("node lost")
+        return real_next(self, device)
+
+    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="node lost"):
+        run_training(broken_cfg)
+    if after_crash is not None:
+        after_crash()
+    monkeypatch.setattr(TrainData, "next_batch", real_next)
+    run_training(broken_cfg, resume=True)

@@ -12,7 +12,7 @@ from scratchlm.errors import UserError
 from scratchlm.train import trainer as trainer_mod
 from scratchlm.train.data_feed import TrainData
 from scratchlm.train.trainer import split_windows, warmup_seq_len
-from tests.train.small_runs import losses, make_cfg
+from tests.train.small_runs import crash_at_step_7_then_resume, losses, make_cfg
 
 
 def test_window_lengths_grow_in_four_stages_to_the_context():
@@ -60,20 +60,7 @@ def test_a_warmup_run_resumes_bitwise(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path, seq_len_warmup_steps=8)  # the checkpoint at step 4 is mid-warm-up
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_training(replace(cfg, trainer=replace(cfg.trainer, out_dir=str(straight))))
-    real, calls = TrainData.next_batch, {"n": 0}
-
-    def crash_at_step_7(self, device):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise RuntimeError("node lost")
-        return real(self, device)
-
-    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
-    broken_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(broken)))
-    with pytest.raises(RuntimeError, match="node lost"):
-        run_training(broken_cfg)
-    monkeypatch.setattr(TrainData, "next_batch", real)
-    run_training(broken_cfg, resume=True)
+    crash_at_step_7_then_resume(cfg, broken, monkeypatch)
     assert losses(broken) == losses(straight)
 
 

@@ -14,7 +14,7 @@ from scratchlm.errors import UserError
 from scratchlm.train import trainer as trainer_mod
 from scratchlm.train.data_feed import TrainData
 from scratchlm.train.metrics import read_metrics
-from tests.train.small_runs import losses, make_cfg
+from tests.train.small_runs import crash_at_step_7_then_resume, losses, make_cfg
 
 BUDGET = 10.0
 
@@ -98,22 +98,10 @@ def test_a_resumed_budget_run_continues_its_clock(tmp_path, clock, monkeypatch):
     cfg = budget_cfg(tmp_path)
     run_training(replace(cfg, trainer=replace(cfg.trainer, out_dir=str(straight))))
 
-    ticking = TrainData.next_batch
-    calls = {"n": 0}
+    def time_passes():
+        clock.t += 5000.0  # the time the run was down is not training time
 
-    def crash_at_step_7(self, device):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise RuntimeError("node lost")
-        return ticking(self, device)
-
-    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
-    broken_cfg = replace(cfg, trainer=replace(cfg.trainer, out_dir=str(broken)))
-    with pytest.raises(RuntimeError, match="node lost"):
-        run_training(broken_cfg)
-    clock.t += 5000.0  # the time the run was down is not training time
-    monkeypatch.setattr(TrainData, "next_batch", ticking)
-    run_training(broken_cfg, resume=True)
+    crash_at_step_7_then_resume(cfg, broken, monkeypatch, after_crash=time_passes)
     # resumed from step 4 at 4 s: the same 10 steps, rates and (deterministic) losses
     assert losses(broken) == losses(straight)
     assert losses(broken, key="lr") == losses(straight, key="lr")

@@ -12,7 +12,7 @@ from scratchlm.train import trainer as trainer_mod
 from scratchlm.train.config import TrainConfig, TrainerConfig
 from scratchlm.train.data_feed import TrainData
 from scratchlm.train.metrics import read_metrics
-from tests.train.small_runs import VOCAB, losses, make_cfg
+from tests.train.small_runs import VOCAB, crash_at_step_7_then_resume, losses, make_cfg
 
 @pytest.fixture
 def cfg(tmp_path):
@@ -52,26 +52,6 @@ def test_training_logs_checkpoints_evaluates_and_plots(cfg, tmp_path, capsys):
     assert "step      0 | val loss" in out and "mfu n/a" in out
 
 
-def _crash_at_step_7_then_resume(cfg, broken, monkeypatch, after_crash=None) -> None:
-    """Train `cfg` into `broken`, lose the process at step 7, then resume it to the end."""
-    calls = {"n": 0}
-    real_next = TrainData.next_batch
-
-    def crash_at_step_7(self, device):
-        calls["n"] += 1
-        if calls["n"] == 7:  # after the checkpoint at step 4 and two logged steps past it
-            raise RuntimeError("node lost")
-        return real_next(self, device)
-
-    monkeypatch.setattr(TrainData, "next_batch", crash_at_step_7)
-    with pytest.raises(RuntimeError, match="node lost"):
-        run_training(_with_out(cfg, broken))
-    if after_crash is not None:
-        after_crash()
-    monkeypatch.setattr(TrainData, "next_batch", real_next)
-    run_training(_with_out(cfg, broken), resume=True)
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_interrupted_and_resumed_run_logs_the_same_losses_bitwise(cfg, tmp_path, monkeypatch, deterministic):
     # On CPU this holds without deterministic mode too (README's resume note says so).
@@ -82,7 +62,7 @@ def test_interrupted_and_resumed_run_logs_the_same_losses_bitwise(cfg, tmp_path,
     def steps_5_and_6_logged_then_lost():
         assert [s for s, _ in _losses(broken)] == list(range(1, 7))
 
-    _crash_at_step_7_then_resume(cfg, broken, monkeypatch, after_crash=steps_5_and_6_logged_then_lost)
+    crash_at_step_7_then_resume(cfg, broken, monkeypatch, after_crash=steps_5_and_6_logged_then_lost)
 
     assert _losses(broken) == _losses(straight)  # exact floats, truncated steps replaced
     assert _losses(broken, "eval", "val_loss") == _losses(straight, "eval", "val_loss")
@@ -377,7 +357,7 @@ def test_moe_interrupted_and_resumed_run_logs_the_same_bitwise(cfg, tmp_path, mo
     cfg = _moe(cfg, log_interval=3)  # the log window straddles the checkpoints at 4 and 8
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_training(_with_out(cfg, straight))
-    _crash_at_step_7_then_resume(cfg, broken, monkeypatch)
+    crash_at_step_7_then_resume(cfg, broken, monkeypatch)
 
     def train_records(run):
         return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_gb", "mfu", "elapsed_s")}
