@@ -61,10 +61,7 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one update to every parameter that has a gradient; returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             adamw_group_step(group, self.state)
         return loss
@@ -73,6 +70,15 @@ class AdamW(torch.optim.Optimizer):
         """Load a state dict; `step` counters saved as tensors (by torch.optim) become ints."""
         super().load_state_dict(state_dict)
         steps_to_int(self.state)
+
+
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """The loss `closure` returns, computed with gradients on (an optimizer's `step` runs under
+    no_grad); None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def steps_to_int(states: dict) -> None:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from scratchlm.optim.adamw import adamw_group_step, steps_to_int
+from scratchlm.optim.adamw import adamw_group_step, closure_loss, steps_to_int
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2  # the update RMS Muon's steps are scaled to (AdamW's typical one)
@@ -232,10 +232,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter with a gradient; returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_group_step(group)
