@@ -113,6 +113,18 @@ def train_reference(kind: str, steps: int, world: int, optimizer: str = "adamw",
     return {"params": named_params(model), "losses": losses, "norms": norms}
 
 
+def train_world_of_one(model: nn.Module, steps: int) -> None:
+    """Train a DDP/FSDP-wrapped model `steps` AdamW steps in a process group of one rank, on the
+    batches of `train_reference(kind, steps, 1)`."""
+    opt = make_optimizer(model.parameters(), "adamw")
+    for step in batches(steps, 1):
+        (x, y), = step
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, x, y).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+
+
 def train_strategy(rank: int, world: int, kind: str, strategy: str, steps: int,
                    optimizer: str = "adamw", options: dict | None = None) -> dict[str, Any]:
     """Train `steps` steps with one of the wrappers on this rank's half of each global batch."""

@@ -71,13 +71,7 @@ def test_world_of_one_ddp_matches_plain_training(world_of_one):
     ref = dist_workers.train_reference("lm", 2, 1)
     for wrapper in (NaiveDDP, FlatDDP, DDP, lambda m: DDP(m, bucket_size_mb=0.001)):
         model = wrapper(dist_workers.build("lm"))
-        opt = dist_workers.make_optimizer(model.parameters(), "adamw")
-        for step in dist_workers.batches(2, 1):
-            (x, y), = step
-            opt.zero_grad(set_to_none=True)
-            dist_workers.loss_fn(model, x, y).backward()
-            model.finish_gradient_synchronization()
-            opt.step()
+        dist_workers.train_world_of_one(model, 2)
         _assert_same(ref["params"], dist_workers.named_params(model.module))
 
 

@@ -77,13 +77,7 @@ def test_world_of_one_fsdp_matches_plain_training_and_frees_gathered_weights(wor
 
     ref = dist_workers.train_reference("lm", 2, 1)
     model = FSDP(dist_workers.build("lm"))
-    opt = dist_workers.make_optimizer(model.parameters(), "adamw")
-    for step in dist_workers.batches(2, 1):
-        (x, y), = step
-        opt.zero_grad(set_to_none=True)
-        dist_workers.loss_fn(model, x, y).backward()
-        model.finish_gradient_synchronization()
-        opt.step()
+    dist_workers.train_world_of_one(model, 2)
     full = model.gather_full_params()
     assert full.keys() == ref["params"].keys()
     for name, expected in ref["params"].items():
@@ -122,13 +116,7 @@ def test_world_of_one_fsdp_with_activation_checkpointing(world_of_one):
     for block in plain.layers:  # as scratchlm.train.activation_checkpoint does, from outside
         block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
     model = FSDP(plain)
-    opt = dist_workers.make_optimizer(model.parameters(), "adamw")
-    for step in dist_workers.batches(2, 1):
-        (x, y), = step
-        opt.zero_grad(set_to_none=True)
-        dist_workers.loss_fn(model, x, y).backward()
-        model.finish_gradient_synchronization()
-        opt.step()
+    dist_workers.train_world_of_one(model, 2)
     full = model.gather_full_params()
     for name, expected in ref["params"].items():
         assert torch.equal(full[name], expected), name
