@@ -7,7 +7,7 @@ import torch
 
 from scratchlm.align.policy import HFPolicy, ScratchPolicy, is_hf_directory, load_policy
 from scratchlm.errors import UserError
-from tests.char_tokenizer import CharTokenizer
+from tests.char_tokenizer import tiny_llama_policies
 
 PROMPTS = ["Start with 3. Add 4. What is the result?", "Start with 12. Times 2, then add 1."]
 
@@ -173,17 +173,8 @@ def _written_elements(fn):
 
 
 def test_hf_policy_refreshes_the_engine_twin_with_one_copy_at_most(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8)
+    hf, policy, reference = tiny_llama_policies(num_key_value_heads=2)
     prompts = ["hello there", "x", "a longer prompt of text"]
-    policy = HFPolicy(hf, CharTokenizer())
-    reference = HFPolicy(hf, CharTokenizer(), use_engine=False)
 
     def same_as_reference():
         ours = [c.token_ids for c in policy.generate(prompts, max_new_tokens=12, temperature=0.0)]

@@ -6,7 +6,7 @@ import torch
 from scratchlm.infer.engine import DecodeEngine, batch_buckets
 from scratchlm.infer.generate import generate
 from scratchlm.model.transformer import TransformerLM
-from tests.char_tokenizer import CharTokenizer
+from tests.char_tokenizer import CharTokenizer, tiny_llama_policies
 from tests.infer.cuda_models import peaked_cuda_lm
 
 
@@ -146,19 +146,8 @@ def test_cuda_graph_engine_matches_dynamic(compile):
 
 
 def test_hf_llama_policy_samples_through_the_engine_like_hf_generate():
-    transformers = pytest.importorskip("transformers")
-    from scratchlm.align.policy import HFPolicy
-
-    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                      eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8)
+    hf, engine, reference = tiny_llama_policies(num_key_value_heads=4)
     prompts = ["hello there", "x", "a longer prompt of text"]
-    engine = HFPolicy(hf, CharTokenizer())
-    reference = HFPolicy(hf, CharTokenizer(), use_engine=False)
     ours = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
     assert engine._twin not in (None, False)  # the engine path was taken
     theirs = reference.generate(prompts, max_new_tokens=12, temperature=0.0)
