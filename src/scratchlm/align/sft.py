@@ -31,6 +31,7 @@ from scratchlm.align.logprobs import (
     tokenize_prompt_and_output,
 )
 from scratchlm.align.policy import autocast_context
+from scratchlm.errors import UserError
 
 LogFn = Callable[[dict[str, Any]], None]
 ReportFn = Callable[[str], None]
@@ -160,7 +161,6 @@ def packed_sft_dataset(policy: Any, pairs: Sequence[tuple[str, str]], *, sft: SF
     """The pairs as a `PackedDataset` of windows of ``sft.pack_length`` tokens (the last one padded);
     ``sft.pack_length = 0`` fits the window to the pairs (`default_pack_length`)."""
     from scratchlm.align.packed import PackedDataset
-    from scratchlm.errors import UserError
 
     if policy.eos_id is None:
         raise UserError("sft.packed needs a tokenizer with an end-of-text token to put between the pairs")
@@ -227,13 +227,12 @@ def sft_train(
     else:
         data, fit = fit_pairs(policy, pairs)
         if not data:  # a silent no-op would save the starting policy as the fine-tuned one
-            from scratchlm.errors import UserError
-
             raise UserError(f"no SFT pair fits the model's context of {policy.context_length} tokens (every "
                             "prompt fills it); use a model with a longer context or shorter prompts")
         items, microbatches = len(data), _padded_microbatches(policy, data, sft.micro_batch_size, seed)
-    if report is not None and fit.describe():
-        report(f"sft: {fit.describe()}")
+    note = fit.describe()
+    if report is not None and note:
+        report(f"sft: {note}")
     if evaluate is not None:
         start = {"phase": "sft", "step": step_offset, **eval_metrics(evaluate, step_offset)}
         if log is not None:
