@@ -9,7 +9,7 @@ from scratchlm.train import sweep as sweep_mod
 from scratchlm.train.config import TrainConfig
 from scratchlm.train.metrics import read_metrics
 from scratchlm.train.sweep import (
-    GridAxis, grid_points, parse_grid, plan_sweep, point_name, run_sweep, summarize_run,
+    GridAxis, grid_points, parse_grid, plan_sweep, point_name, run_sweep, summarize_run, write_summary,
 )
 from scratchlm.train.trainer import Trainer
 from tests.train.small_runs import losses, make_cfg
@@ -296,6 +296,20 @@ def test_summary_prefers_the_elapsed_seconds_a_trainer_logs(tmp_path):
                                                for i, r in enumerate(records)))
     row = summarize_run(run)
     assert row["wall_s"] == 4.0 and row["tokens_per_s"] == 5 * 64 / 4.0 and row["finished"]
+    assert row["steady_tokens_per_s"] == 100.0  # one log window: its own rate
+
+
+def test_summary_steady_rate_leaves_out_the_first_window_that_holds_compilation(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[model]\ncontext_length = 16\n\n[trainer]\nbatch_size = 4\n")
+    rates = [10.0, 300.0, 200.0, 250.0]
+    records = [{"event": "train", "step": 5 * (i + 1), "loss": 3.0, "tokens_per_s": v} for i, v in enumerate(rates)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = summarize_run(run)
+    assert row["steady_tokens_per_s"] == 250.0 and row["tokens_per_s"] < 100
+    write_summary([{**row, "name": "a", "values": {"optim.lr": 1e-3}}], tmp_path)
+    assert (tmp_path / "summary.md").read_text().splitlines()[2].endswith("| 250 |")
 
 
 def test_summary_of_a_run_that_has_not_started():

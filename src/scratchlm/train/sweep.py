@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import re
+import statistics
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -335,13 +336,16 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     logged training step; ``tokens`` = steps x trainer.batch_size x model.context_length (from
     the run's config.toml); ``wall_s`` the training loop's seconds: the newest ``elapsed_s``
     where the trainer logs one, else the sum over the log windows of their tokens / tokens_per_s
-    (evaluations and compilation inside a window included); ``tokens_per_s`` = tokens / wall_s.
+    (evaluations and compilation inside a window included); ``tokens_per_s`` = tokens / wall_s;
+    ``steady_tokens_per_s`` the median of the logged rates after the first log window (the one
+    that holds compilation), the speed of the step itself.
     """
     import tomllib
 
     run_dir = Path(run_dir)
     row: dict[str, Any] = {"run_dir": str(run_dir), "final_val_loss": None, "best_val_loss": None,
-                           "steps": 0, "tokens": 0, "wall_s": None, "tokens_per_s": None, "finished": False}
+                           "steps": 0, "tokens": 0, "wall_s": None, "tokens_per_s": None,
+                           "steady_tokens_per_s": None, "finished": False}
     metrics, config = run_dir / "metrics.jsonl", run_dir / "config.toml"
     if not metrics.is_file() or not config.is_file():
         return row
@@ -358,6 +362,8 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     if elapsed:
         seconds = max(elapsed)
     steps = max((r["step"] for r in records if r.get("event") == "train"), default=0)
+    rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r.get("tokens_per_s")]
+    row.update(steady_tokens_per_s=statistics.median(rates[1:] or rates) if rates else None)
     row.update(final_val_loss=evals[-1] if evals else None, best_val_loss=min(evals) if evals else None,
                steps=steps, tokens=steps * tokens_per_step, wall_s=seconds if seconds else None,
                tokens_per_s=steps * tokens_per_step / seconds if seconds else None,
@@ -383,8 +389,8 @@ def write_summary(rows: Sequence[dict[str, Any]], out: str | Path) -> tuple[Path
     keys = list(rows[0]["values"]) if rows else []
     done = [r for r in rows if r["final_val_loss"] is not None]
     best = min(done, key=lambda r: r["final_val_loss"]) if done else None
-    lines = ["| " + " | ".join([*keys, "final val loss", "best val loss", "steps", "tokens", "wall s", "tokens/s"])
-             + " |", "|" + "---|" * len(keys) + "---:|" * 6]
+    lines = ["| " + " | ".join([*keys, "final val loss", "best val loss", "steps", "tokens", "wall s", "tokens/s",
+                                 "steady tokens/s"]) + " |", "|" + "---|" * len(keys) + "---:|" * 7]
     for r in rows:
         final = _fmt(r["final_val_loss"], ".4f")
         if r is best:
@@ -392,7 +398,8 @@ def write_summary(rows: Sequence[dict[str, Any]], out: str | Path) -> tuple[Path
         if "error" in r:
             final += f" (failed: {r['error']})"
         cells = [*(str(r["values"][k]) for k in keys), final, _fmt(r["best_val_loss"], ".4f"), f"{r['steps']:,}",
-                 f"{r['tokens']:,}", _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ",.0f")]
+                 f"{r['tokens']:,}", _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ",.0f"),
+                 _fmt(r.get("steady_tokens_per_s"), ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
     if best is not None:
         lines += ["", f"Lowest final validation loss: {best['name']} ({best['final_val_loss']:.4f})."]
