@@ -119,3 +119,9 @@ def test_is_token_file_needs_a_sidecar_that_counts_its_tokens(tmp_path):
     (tmp_path / "settings.bin").write_bytes(b"\0" * 20)
     assert not token_file.is_token_file(tmp_path / "settings.bin")
     assert not token_file.is_token_file(tmp_path / "missing.bin")
+
+
+@pytest.mark.parametrize("folder", [".", "/"])
+def test_is_token_file_of_a_folder_without_a_name_is_false(folder):
+    # Path(".").with_suffix(".json") raised a ValueError, so `train-bpe .` failed with it.
+    assert not token_file.is_token_file(folder)

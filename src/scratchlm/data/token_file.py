@@ -80,11 +80,13 @@ def is_token_file(path: str | os.PathLike) -> bool:
     """True when `path` is a token file as `scratchlm encode` writes it: its sidecar is well formed
     and counts exactly the tokens the file holds (a text file beside a sidecar of its name is not)."""
     path = Path(path)
+    if not path.is_file():  # (a folder such as "." or "/" has no sidecar name: with_suffix raises)
+        return False
     try:
         meta = read_sidecar(path)
     except UserError:
         return False
-    if meta is None or meta.get("num_tokens") is None or not path.is_file():
+    if meta is None or meta.get("num_tokens") is None:
         return False
     return path.stat().st_size == meta["num_tokens"] * DTYPES[meta.get("dtype", "uint16")].itemsize
 
