@@ -98,6 +98,7 @@ def test_encode_chunk_mb_must_be_positive(tokenizer_dir, tmp_path, capsys, value
 @pytest.mark.parametrize("extra, message", [
     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
     (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "1e308"], "--timeout must be a positive number of seconds, at most 1e+09"),  # (OverflowError)
     (["--retries", "-1"], "--retries must be >= 0"),
 ])
 def test_download_checks_timeout_and_retries(tmp_path, capsys, extra, message):

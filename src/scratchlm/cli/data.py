@@ -13,6 +13,8 @@ import sys
 
 from scratchlm.errors import UserError
 
+MAX_TIMEOUT = 1e9  # seconds (about 30 years)
+
 
 def encode_command(argv: list[str]) -> int:
     """Encode a UTF-8 text file to a flat token file plus its .json sidecar, on all cores."""
@@ -78,8 +80,10 @@ def download_command(argv: list[str]) -> int:
         return 0
     if not args.name:
         parser.error("give a dataset NAME or --list")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
+        # (a socket takes no timeout past ~9.2e9 s: an OverflowError at the first connect)
+        raise UserError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT:g}, "
+                        f"got {args.timeout}")
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
 
