@@ -66,6 +66,19 @@ def test_missing_file_is_one_line(monkeypatch, capsys):
     assert err.startswith("scratchlm encode: error: No such file or directory") and "\n" not in err
 
 
+@pytest.mark.parametrize("command", [["encode", "{long}", "--tokenizer", "tok", "--out", "o.bin"],
+                                     ["train-bpe", "{long}", "--vocab-size", "300", "--out", "tok"],
+                                     ["tokenizer-stats", "{long}", "sample.txt"],
+                                     ["account", "{long}"]])
+def test_a_file_name_too_long_is_one_line(tmp_path, monkeypatch, capsys, command):
+    # Stopped with "OSError: [Errno 36] File name too long ... (rerun with --debug for the traceback)".
+    monkeypatch.chdir(tmp_path)
+    long = "a" * 300 + ".txt"
+    assert cli.main([word.format(long=long) for word in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"scratchlm {command[0]}: error: File name too long: {long}"
+
+
 def test_every_command_resolves():
     """Each registered command names a function that exists."""
     for name in cli.COMMANDS:

@@ -12,6 +12,7 @@ functions take ``argv`` (the words after the command name) and return an exit co
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from collections.abc import Sequence
@@ -131,7 +132,8 @@ def _report(name: str, exc: Exception) -> int:
         return 141
     if isinstance(exc, UserError):
         message, code = str(exc), 2
-    elif isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+    elif isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) or (
+            isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG):  # a path given with a name too long
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         message, code = f"{exc.strerror or exc}{where}", 2
     else:
