@@ -64,7 +64,9 @@ def test_moe_aux_scope_reaches_every_layer_and_the_loss():
 
 @pytest.mark.parametrize(
     "override, match",
-    [("--model.moe_aux_scope=global", "moe_aux_scope"), ("--model.moe_renormalize=maybe", "moe_renormalize")],
+    [("--model.moe_aux_scope=global", "moe_aux_scope"), ("--model.moe_renormalize=maybe", "moe_renormalize"),
+     # -1 was taken: `scratchlm account` counted a shared expert's parameters and FLOPs negatively.
+     ("--model.moe_shared_experts=-1", "moe_shared_experts must be >= 0")],
 )
 def test_bad_values_are_config_errors(override, match):
     with pytest.raises(ConfigError, match=match):

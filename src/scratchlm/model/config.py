@@ -97,6 +97,8 @@ class ModelConfig:
                 )
             if self.moe_gemm not in ("auto", "grouped_mm", "portable"):
                 raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
+            if self.moe_shared_experts < 0:
+                raise ValueError(f"model.moe_shared_experts must be >= 0, got {self.moe_shared_experts}")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
             if self.moe_renormalize is not None and not isinstance(self.moe_renormalize, bool):
