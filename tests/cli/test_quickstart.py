@@ -89,6 +89,10 @@ def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
     ("--optim.lrr=1", "unknown config key 'optim.lrr'"),
     ("--model.d_model=0", "model.d_model must be positive"),
     ("--optim.lr=abc", "optim.lr must be a number"),
+    # an IndexError after the whole run had trained (no validation), or ignored
+    ("--data.val_path=", "the quickstart sets data.val_path itself"),
+    ("--data.tokenizer_dir=tok", "the quickstart sets data.tokenizer_dir itself"),
+    ("--trainer.out_dir=elsewhere", "the quickstart sets trainer.out_dir itself"),
 ])
 def test_a_bad_override_keeps_the_previous_run_and_trains_no_tokenizer(tmp_path, monkeypatch, override, message):
     # The overrides were read only after the corpus, the tokenizer and the token files: the

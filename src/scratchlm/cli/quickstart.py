@@ -25,13 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scratchlm.config import load_config, split_overrides
+from scratchlm.config import load_config, parse_override, split_overrides
 from scratchlm.data.corpus import EOT, build_corpus
 from scratchlm.errors import UserError
 from scratchlm.fileio import move_aside, write_text_atomic
 
 DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if steps remain
 MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
+# Config keys the quickstart sets itself, under --out: an override of one was ignored or broke the run.
+OWN_KEYS = ("data.train_path", "data.val_path", "data.tokenizer_dir", "trainer.out_dir")
 
 
 def check_out_dir(out: Path) -> None:
@@ -108,6 +110,11 @@ def quickstart_command(argv: list[str]) -> int:
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key in OWN_KEYS:
+            raise UserError(f"--{key}: the quickstart sets {key} itself, under --out; leave it out "
+                            "(--data gives the text, --out the run directory)")
     for flag, value in (("--minutes", args.minutes), ("--corpus-mb", args.corpus_mb), ("--steps", args.steps)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a positive number, got {value}")
