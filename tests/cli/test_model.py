@@ -60,6 +60,9 @@ def test_account_command_errors(tmp_path):
         account_command([str(tmp_path / "missing.toml")])
     with pytest.raises(UserError):
         account_command([str(tmp_path)])  # a directory without config.toml
+    with pytest.raises(ConfigError, match="head size must be even"):
+        # Was counted, though no such model can be built (RoPE needs pairs of dimensions).
+        account_command(["--model.d_model=96", "--model.num_heads=32"])
 
 
 def test_account_command_counts_the_optimizers_state(tmp_path, capsys):

@@ -76,6 +76,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
             )
+        if self.use_rope and (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"model.d_model / model.num_heads = {self.d_model // self.num_heads} is odd: RoPE rotates pairs "
+                "of a head's dimensions, so the head size must be even (or set model.use_rope=false)"
+            )
         if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
             raise ValueError(
                 f"model.num_kv_heads ({self.num_kv_heads}) must be a positive divisor of model.num_heads "
