@@ -24,6 +24,14 @@ def test_run_bench_rejects_bad_options():
         run_bench(BenchOptions(**TINY), ["--optim.lr=1"])
 
 
+@pytest.mark.parametrize("length", [8, 32])
+def test_a_model_context_length_override_other_than_the_timed_one_is_refused(length):
+    """Shorter: a ValueError from the model at the first forward; longer: timed at 16 tokens, silently."""
+    with pytest.raises(UserError, match=f"--model.context_length={length} differs from --context-length 16"):
+        run_bench(BenchOptions(**TINY), [f"--model.context_length={length}"])
+    run_bench(BenchOptions(**TINY, mode="forward"), ["--model.context_length=16"])
+
+
 @pytest.mark.parametrize("mode, total_mib, weights_fit", [
     ("train_step", 8, False),  # 4 MiB of weights, 16 MiB with gradients and AdamW's moments
     ("train_step", 64, True),

@@ -91,9 +91,13 @@ def _model_config(options: BenchOptions, overrides: list[str]):
         if not text.startswith("--model."):
             raise UserError(f"scratchlm bench takes only --model.* overrides, got {text}")
     try:
-        return load_config(TrainConfig, options.config, pre + overrides).model
+        cfg = load_config(TrainConfig, options.config, pre + overrides).model
     except ValueError as exc:  # ModelConfig's own validation
         raise UserError(str(exc)) from None
+    if cfg.context_length != options.context_length:  # the batches are --context-length tokens long
+        raise UserError(f"--model.context_length={cfg.context_length} differs from --context-length "
+                        f"{options.context_length}; give the length to time with --context-length only")
+    return cfg
 
 
 def _loss_fn(model, fused: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
