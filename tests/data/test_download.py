@@ -131,6 +131,20 @@ def test_connection_refused_and_timeout(server, tmp_path):
         stalling.close()
 
 
+def test_waits_between_retries_stop_doubling_at_a_minute(tmp_path, monkeypatch):
+    waits = []
+    monkeypatch.setattr(dl.time, "sleep", waits.append)
+
+    def unreachable(url, partial, **kwargs):
+        raise dl._Retryable("Connection refused")
+
+    monkeypatch.setattr(dl, "_fetch_once", unreachable)
+    with pytest.raises(DownloadError, match="Connection refused"):
+        dl._fetch("http://127.0.0.1:9/f", tmp_path / "f.partial", timeout=1, retries=40, retry_wait=1.0,
+                  progress=False)
+    assert waits[:7] == [1, 2, 4, 8, 16, 32, 60] and len(waits) == 40 and max(waits) == dl.MAX_RETRY_WAIT
+
+
 def test_unknown_dataset_and_bad_out_dir(tmp_path):
     with pytest.raises(UserError, match="unknown dataset 'nope'; known: tinystories-train"):
         download_dataset("nope", tmp_path)

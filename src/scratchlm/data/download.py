@@ -32,6 +32,7 @@ from scratchlm.errors import UserError
 from scratchlm.fileio import check_writable_dir, write_text_atomic
 
 BLOCK = 1 << 20
+MAX_RETRY_WAIT = 60.0  # seconds: the doubling waits between retries stop growing here
 USER_AGENT = "scratchlm-download/0.1"
 
 
@@ -68,7 +69,8 @@ def download_dataset(
 
     ``mirror`` (or ``$SCRATCHLM_DATASET_MIRROR``) replaces the entry's base URL. ``sha256``
     overrides the registry's checksum. ``timeout`` bounds each connect and read (seconds);
-    ``retries`` transient failures are resumed after ``retry_wait * 2**attempt`` seconds.
+    ``retries`` transient failures are resumed after ``retry_wait * 2**attempt`` seconds, at most
+    ``MAX_RETRY_WAIT``.
     """
     entry = get_dataset(dataset) if isinstance(dataset, str) else dataset
     mirror = mirror or os.environ.get(MIRROR_ENV) or None
@@ -137,7 +139,8 @@ def _fetch(url: str, partial: Path, *, timeout: float, retries: int, retry_wait:
                 kept = partial.stat().st_size if partial.exists() else 0
                 resume = f"; run again to resume ({kept} bytes kept in {partial.name})" if kept else ""
                 raise DownloadError(f"download of {url} failed: {exc}{resume}") from None
-            time.sleep(retry_wait * 2 ** attempt)
+            # (uncapped, --retries 20 slept 6 days before its last try)
+            time.sleep(min(retry_wait * 2 ** attempt, MAX_RETRY_WAIT))
             attempt += 1
 
 
