@@ -75,6 +75,17 @@ def test_tokenizer_stats_max_mb_must_be_a_positive_number(tmp_path, corpus, caps
     assert "--max-mb must be a positive number" in err and "\n" not in err
 
 
+def test_tokenizer_stats_max_mb_too_small_for_one_character(tmp_path, corpus, capsys):
+    # Said "the sample is empty" of a file that is not.
+    tok = tmp_path / "tok"
+    assert main(["train-bpe", str(corpus), "--vocab-size", "300", "--out", str(tok), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["tokenizer-stats", str(tok), str(corpus), "--max-mb", "1e-7"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"scratchlm tokenizer-stats: error: {corpus}: --max-mb 1e-07 reads no whole character of it; "
+                   "give a larger --max-mb")
+
+
 def test_train_bpe_refuses_to_replace_a_tokenizer_before_training(corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "tok"
     assert main(["train-bpe", str(corpus), "--vocab-size", "400", "--out", str(out), "--quiet"]) == 0

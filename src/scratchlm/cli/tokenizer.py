@@ -129,6 +129,9 @@ def tokenizer_stats_command(argv: list[str]) -> int:
                         "tokenizer-stats reads a UTF-8 text sample, such as the file that was encoded")
     tokenizer = Tokenizer.load(args.tokenizer_dir)
     text = read_sample(args.sample, int(args.max_mb * 1e6))
+    if not text and args.sample.stat().st_size:
+        raise UserError(f"{args.sample}: --max-mb {args.max_mb:g} reads no whole character of it; "
+                        "give a larger --max-mb")
     if not text:
         raise UserError(f"{args.sample}: the sample is empty")
     stats = tokenizer_stats(tokenizer, text, top=args.top)
