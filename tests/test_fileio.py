@@ -221,6 +221,17 @@ def test_check_writable_dir_takes_a_directory_that_is_there_or_can_be_made_and_l
         fileio.check_writable_dir(tmp_path / "notes.txt" / "deeper", "--out x")
 
 
+def test_check_writable_dir_refuses_a_symbolic_link_loop(tmp_path):
+    # Passed (the loop "does not exist", its folder takes files): train-bpe --out LOOP trained,
+    # then stopped with "RuntimeError: Symlink loop" when saving.
+    (tmp_path / "loop").symlink_to("loop")
+    for directory in (tmp_path / "loop", tmp_path / "loop" / "deeper"):
+        with pytest.raises(UserError, match=r"^--out x: Too many levels of symbolic links: .*loop"):
+            fileio.check_writable_dir(directory, "--out x")
+    (tmp_path / "dangling").symlink_to("missing")  # a link to a folder yet to be made is fine
+    fileio.check_writable_dir(tmp_path / "dangling", "--out x")
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be created")
 def test_check_writable_dir_refuses_a_directory_where_no_file_can_be_created():
     with pytest.raises(UserError, match=r"^--out x: cannot write in /proc \("):

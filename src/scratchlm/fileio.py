@@ -72,6 +72,12 @@ def check_writable_dir(directory: str | os.PathLike, what: str) -> None:
     or in its nearest existing ancestor: unlike `os.access`, that also catches a read-only file
     system or /proc, and is right for root too. Nothing is created or left behind."""
     directory = Path(directory)
+    try:
+        os.stat(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # (made later, or a file in the way: found below)
+    except OSError as exc:  # a symbolic link that leads back to itself, which exists() calls missing
+        raise UserError(f"{what}: {exc.strerror}: {directory}") from None
     existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise UserError(f"{what}: {existing} is a file, not a directory")
