@@ -135,6 +135,22 @@ def test_resuming_an_unfinished_run_past_a_lowered_max_steps_is_refused(cfg, tmp
     assert train_steps(run) == list(range(1, 13))
 
 
+def test_resuming_a_run_directory_that_train_did_not_write_is_refused(cfg, tmp_path):
+    """An sft/grpo/dpo output (weights and {"step"} only) was a KeyError: 'world_size'."""
+    from scratchlm.config import config_to_toml
+    from scratchlm.model.transformer import build_model
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config_text = "[model]\n" + config_to_toml(cfg.model)
+    (run / "config.toml").write_text(config_text)
+    ckpt.save_run_checkpoint(run, 4, model_state=build_model(cfg.model).state_dict(), optimizer_state=None,
+                             state={"step": 4}, config_text=config_text, keep=1)
+    with pytest.raises(UserError, match="step_000004 holds no training state .* cannot be resumed"):
+        run_training(cfg, resume=True)
+    assert (run / "config.toml").read_text() == config_text and not (run / "metrics.jsonl").exists()
+
+
 # ---------------------------------------------------------------- pruning
 
 

@@ -580,6 +580,10 @@ class Trainer:
         optim_file = step_dir / f"optimizer{suffix}"
         optim_file = optim_file if optim_file.is_file() else step_dir / ckpt.OPTIMIZER
         state = ckpt.read_torch(state_file)
+        if not isinstance(state, dict) or not {"world_size", "sampler", "rng", "loop"} <= state.keys():
+            raise UserError(f"{step_dir} holds no training state (optimizer, data position, RNG): it was not "
+                            "written by `scratchlm train` (e.g. the output of sft, grpo or dpo), so it cannot be "
+                            "resumed; train into another trainer.out_dir")
         if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
