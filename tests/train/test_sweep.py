@@ -312,6 +312,21 @@ def test_summary_steady_rate_leaves_out_the_first_window_that_holds_compilation(
     assert (tmp_path / "summary.md").read_text().splitlines()[2].endswith("| 250 |")
 
 
+def test_a_failed_point_is_not_named_the_best_whatever_its_last_loss(tmp_path):
+    """A point that diverged after a low early evaluation was bolded and named the lowest final loss."""
+    row = {"best_val_loss": None, "steps": 10, "tokens": 640, "wall_s": 1.0, "tokens_per_s": 640.0,
+           "steady_tokens_per_s": 640.0, "finished": False}
+    failed = {**row, "name": "optim.lr=1", "values": {"optim.lr": 1.0}, "final_val_loss": 2.0,
+              "error": "the training loss became nan at step 10; try a lower optim.lr"}
+    done = {**row, "name": "optim.lr=1e-3", "values": {"optim.lr": 1e-3}, "final_val_loss": 3.0, "finished": True}
+    write_summary([failed, done], tmp_path)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[-1] == "Lowest final validation loss: optim.lr=1e-3 (3.0000)."
+    assert "**" not in lines[2] and "**3.0000**" in lines[3]
+    write_summary([failed], tmp_path)
+    assert "Lowest" not in (tmp_path / "summary.md").read_text()
+
+
 def test_summary_of_a_run_that_has_not_started():
     row = summarize_run("/nonexistent/run")
     assert row["final_val_loss"] is None and row["steps"] == 0 and not row["finished"]

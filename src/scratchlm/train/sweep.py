@@ -387,7 +387,7 @@ def write_summary(rows: Sequence[dict[str, Any]], out: str | Path) -> tuple[Path
     jsonl = out / "summary.jsonl"
     write_text_atomic(jsonl, "".join(json.dumps(row) + "\n" for row in rows))
     keys = list(rows[0]["values"]) if rows else []
-    done = [r for r in rows if r["final_val_loss"] is not None]
+    done = [r for r in rows if r["final_val_loss"] is not None and "error" not in r]  # a failed point is no best
     best = min(done, key=lambda r: r["final_val_loss"]) if done else None
     lines = ["| " + " | ".join([*keys, "final val loss", "best val loss", "steps", "tokens", "wall s", "tokens/s",
                                  "steady tokens/s"]) + " |", "|" + "---|" * len(keys) + "---:|" * 7]
