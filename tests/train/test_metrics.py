@@ -34,3 +34,16 @@ def test_a_damaged_line_inside_the_file_names_it(tmp_path):
     path.write_text('{"event": "train", "step": 1}\nnot json\n{"event": "train", "step": 2}\n')
     with pytest.raises(UserError, match="metrics.jsonl: line 2 is not a JSON record"):
         read_metrics(path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (b"[1, 2]\n", "line 2 is not a JSON record"),  # was an AttributeError on resume
+    (b"\xff\xfe garbage\n", "not a metrics log"),  # was a UnicodeDecodeError
+])
+def test_a_line_that_is_no_record_or_no_text_is_a_user_error(tmp_path, damage, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"event": "train", "step": 1}\n' + damage)
+    with pytest.raises(UserError, match=message):
+        read_metrics(path)
+    with pytest.raises(UserError, match=message):
+        truncate_metrics(path, 0)

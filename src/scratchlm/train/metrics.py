@@ -116,18 +116,24 @@ class JsonlLogger:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file, less a last line cut short by a killed run."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a metrics log (byte {exc.start} is not UTF-8 text)") from None
     lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             if number == len(lines) and not text.endswith("\n"):
                 break  # the record the run was writing when it was killed
-            raise UserError(f"{path}: line {number} is not a JSON record") from None
+            record = None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: line {number} is not a JSON record")
+        records.append(record)
     return records
 
 
