@@ -122,6 +122,15 @@ def test_cosine_steps_and_a_time_budget_are_refused_together(tmp_path):
         run_training(cfg)
 
 
+def test_an_infinite_budget_is_refused():
+    """It trained to max_steps with the learning rate never decaying (elapsed / inf = 0)."""
+    from scratchlm.config import load_config
+    from scratchlm.train.config import TrainConfig
+
+    with pytest.raises(UserError, match="trainer.time_budget_s must be a finite number >= 0 .*got inf"):
+        load_config(TrainConfig, None, ["--trainer.time_budget_s=inf"])
+
+
 def test_without_a_budget_every_record_has_the_clock_and_the_final_eval_is_partial(tmp_path):
     cfg = make_cfg(tmp_path, max_steps=4, eval_interval=0)
     run_training(cfg)

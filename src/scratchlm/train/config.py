@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scratchlm.data.config import DataConfig
@@ -89,8 +90,9 @@ class TrainerConfig:
         for name in ("max_steps", "seq_len_warmup_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.time_budget_s >= 0:
-            raise ValueError(f"trainer.time_budget_s must be >= 0 (0 = no budget), got {self.time_budget_s}")
+        if not 0 <= self.time_budget_s < math.inf:  # an infinite budget never decays the learning rate
+            raise ValueError(f"trainer.time_budget_s must be a finite number >= 0 (0 = no budget), "
+                             f"got {self.time_budget_s}")
         # Checked here, not when the samples are drawn after the whole run has trained.
         if not self.sample_temperature >= 0:
             raise ValueError(f"trainer.sample_temperature must be >= 0 (0 = greedy), got {self.sample_temperature}")
