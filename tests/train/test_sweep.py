@@ -242,6 +242,17 @@ def test_a_changed_config_is_refused_before_any_point_runs(preset, tmp_path):
     assert "\n" not in str(err.value) and "(it differs in trainer.max_steps)" in str(err.value)
 
 
+@pytest.mark.parametrize("damage", [b"[model\n", b"\xff\xfe"])
+def test_a_damaged_point_config_is_refused_before_any_point_runs(preset, tmp_path, damage):
+    """Bytes that are not UTF-8 were a UnicodeDecodeError."""
+    out = tmp_path / "sweep"
+    (out / "optim.lr=1e-2").mkdir(parents=True)
+    (out / "optim.lr=1e-2" / "config.toml").write_bytes(b"[model]\nd_model = 32\n" + damage)
+    points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2"]), out)
+    with pytest.raises(UserError, match="config.toml is not valid TOML"):
+        run_sweep(points, out, echo=lambda line: None)
+
+
 def _reformatted(text):
     """The same config as other TOML: keys in reverse order, floats spelled out, a comment, and
     without model.qk_norm (as a version from before the key existed wrote it)."""

@@ -204,7 +204,7 @@ def point_status(point: SweepPoint) -> str:
     if saved.is_file():
         try:
             old = _flat_toml(saved.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{saved} is not valid TOML ({exc}); move the run aside or use another --out") from None
         old = {**_flat_toml(config_to_toml(type(point.cfg)())), **old}
         new = _flat_toml(config_to_toml(point.cfg))
