@@ -78,6 +78,16 @@ def test_resume_names_a_damaged_run_config(tmp_path, damage):
         train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume"])
 
 
+@pytest.mark.parametrize("section", ["model", "optim"])
+def test_resume_names_a_run_config_whose_section_is_not_a_table(tmp_path, section):
+    """`model = 3` was a TypeError, `optim = 3` an AttributeError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(f"{section} = 3\n")
+    with pytest.raises(UserError, match=rf"{run / 'config.toml'}: \[{section}\] must be a table, got int"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume"])
+
+
 def test_overwrite_refuses_to_delete_the_tokenizer_or_data_it_reads(tmp_path):
     run = tmp_path / "run"
     (run / "tokenizer").mkdir(parents=True)

@@ -90,6 +90,9 @@ def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     if not saved.is_file():
         return
     saved_cfg = read_toml(saved)
+    for section in ("model", "optim"):
+        if not isinstance(saved_cfg.get(section, {}), dict):
+            raise UserError(f"--resume: {saved}: [{section}] must be a table, got {type(saved_cfg[section]).__name__}")
     # The optimizer state of the checkpoint only loads into the same optimizer.
     old_optimizer = saved_cfg.get("optim", {}).get("name", "adamw")  # runs from before optim.name: AdamW
     if old_optimizer != cfg.optim.name:
