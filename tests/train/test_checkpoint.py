@@ -274,6 +274,15 @@ def test_single_file_weights_of_another_model_are_a_user_error(tmp_path):
         ckpt.load_trained_model(tmp_path / "c.pt")
 
 
+def test_a_run_that_has_not_saved_a_checkpoint_yet_is_named_as_a_run(tmp_path):
+    """A run killed before its first checkpoint (or of max_steps=0) has no checkpoints/ folder:
+    it was called neither a run directory, a step directory nor a checkpoint file."""
+    (tmp_path / "config.toml").write_text("[model]\n")
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    with pytest.raises(UserError, match=f"run directory {tmp_path} has no checkpoint yet"):
+        ckpt.resolve_checkpoint(tmp_path)
+
+
 def test_a_hugging_face_directory_is_named_as_such(tmp_path):
     # An exported model given to generate/eval/export was reported as a damaged checkpoint.
     from scratchlm.errors import UserError

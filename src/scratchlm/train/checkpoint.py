@@ -555,7 +555,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                         "expert-iteration, grpo and dpo also take Hugging Face directories)")
     if (path / WEIGHTS).is_file():
         return path
-    if (path / CHECKPOINTS).is_dir():
+    if (path / CHECKPOINTS).is_dir() or (path / "metrics.jsonl").is_file():  # (a run before its first save has none)
         step = latest_step_dir(path)
         if step is None:
             steps = list_steps(path)
