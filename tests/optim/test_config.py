@@ -17,6 +17,9 @@ from scratchlm.train.config import TrainConfig
     (["--optim.min_lr=1e-2", "--optim.schedule=wsd"], r"optim.min_lr \(0.01\) is above optim.lr \(0.003\): the wsd"),
     # eps 0: AdamW's 0 / 0 for an embedding row no batch had used, then a NaN loss
     (["--optim.eps=0"], "optim.eps must be > 0"),
+    # a decay that ends before step 1: the rate sat at min_lr for the whole run
+    (["--optim.cosine_steps=-5"], r"optim.cosine_steps must be > 0 or none \(= trainer.max_steps\), got -5$"),
+    (["--optim.cosine_steps=0"], r"optim.cosine_steps must be > 0"),
 ])
 def test_rates_that_train_wrong_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -54,6 +54,8 @@ class OptimConfig:
             raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.cosine_steps is not None and self.cosine_steps <= 0:  # the rate would sit at min_lr from step 1
+            raise ValueError(f"optim.cosine_steps must be > 0 or none (= trainer.max_steps), got {self.cosine_steps}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"optim.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:
