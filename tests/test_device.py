@@ -33,8 +33,10 @@ def test_explicit_devices_come_back_as_torch_devices(monkeypatch):
 ])
 def test_a_device_this_machine_lacks_is_a_user_error(monkeypatch, name, cuda, message):
     _machine(monkeypatch, cuda=cuda)
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=message) as err:
         resolve_device(name)
+    # the same check serves --device, --trainer.device and --policy.device: it names no flag
+    assert "--" not in str(err.value)
 
 
 def test_the_more_specific_gpu_name_wins():

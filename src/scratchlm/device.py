@@ -47,12 +47,14 @@ def resolve_device(name: str | torch.device) -> torch.device:
         raise UserError(f"unknown device {str(name)!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(f"device {str(name)!r} asked for, but CUDA is not available; use --device auto or cpu")
+            raise UserError(f"device {str(name)!r} asked for, but CUDA is not available; "
+                            "ask for device auto or cpu instead")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"device {str(name)!r} asked for, but this machine has "
                             f"{torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not _mps_available():
-        raise UserError(f"device {str(name)!r} asked for, but MPS is not available; use --device auto or cpu")
+        raise UserError(f"device {str(name)!r} asked for, but MPS is not available; "
+                        "ask for device auto or cpu instead")
     return device
 
 
