@@ -128,6 +128,10 @@ def test_clear_errors(tokenizer, tmp_path):
     assert not (tmp_path / "new").exists()
     with pytest.raises(UserError, match="c.txt is a file, not a directory"):
         encode_corpus(src, tokenizer, src / "deeper" / "o.bin", progress=False)
+    (tmp_path / "loop").symlink_to("loop")  # a link to itself: resolving it raised RuntimeError
+    for out in (tmp_path / "loop", tmp_path / "loop" / "o.bin"):
+        with pytest.raises(UserError, match="symbolic link on its path leads back to itself"):
+            encode_corpus(src, tokenizer, out, progress=False)
     encode_corpus(src, tokenizer, tmp_path / "new" / "deeper" / "o.bin", progress=False)
     assert (tmp_path / "new" / "deeper" / "o.json").is_file()
 

@@ -278,11 +278,15 @@ def _check_output(path: Path, source: Path) -> Path:
         raise UserError(f"output path is a directory: {path} (give a file name such as {path / 'train.bin'})")
     if path.suffix == ".json":
         raise UserError(f"output path {path} ends in .json, the name reserved for its sidecar")
-    if path.resolve() == source or sidecar_path(path).resolve() == source:
+    try:
+        resolved, sidecar = path.resolve(), sidecar_path(path).resolve()
+    except (RuntimeError, OSError):  # RuntimeError before Python 3.13
+        raise UserError(f"output {path}: a symbolic link on its path leads back to itself") from None
+    if source in (resolved, sidecar):
         raise UserError(f"output {path} would overwrite the input")
     # A file in the way, or a folder that takes no file; a missing folder is made with the parts folder.
     check_writable_dir(path.parent, f"output {path}")
-    return path.resolve()
+    return resolved
 
 
 def _check_replaceable(files: _OutputFiles) -> None:
