@@ -46,7 +46,13 @@ def test_account_command_presets(tmp_path, capsys):
     run.mkdir()
     (run / "config.toml").write_text(full.read_text())
     expected = param_count(ModelConfig(d_model=128, num_heads=4, num_layers=6))
-    for source in (full, bare, run):
+    # a run's checkpoints/latest names its newest step directory, which holds the run's config
+    step = run / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "config.toml").write_text(full.read_text())
+    (step / "model.safetensors").write_bytes(b"")  # (account reads the config only)
+    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    for source in (full, bare, run, run / "checkpoints" / "latest"):
         assert account_command([str(source), "--model.num_layers=6", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["params"] == expected
 

@@ -212,6 +212,10 @@ def test_export_command_refuses(tmp_path, capsys):
     assert _cli([str(post_run), "--to", "hf", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("scratchlm export: error: only the default Llama architecture") and "Traceback" not in err
+    (tmp_path / "loop").symlink_to("loop")  # a link to itself: an OSError after the model had loaded
+    for bad in (tmp_path / "loop", tmp_path / "loop" / "hf"):
+        assert _cli([str(run), "--to", "hf", str(bad)]) == 2
+        assert "Too many levels of symbolic links" in capsys.readouterr().err
 
 
 def test_an_export_that_fails_midway_leaves_no_partial_files(tmp_path, capsys, monkeypatch):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import check_writable_dir
 
 _TRAIN_SECTIONS = {"model", "data", "optim", "trainer", "parallel"}
 
@@ -33,6 +34,10 @@ def load_account_config(config: str | None, overrides: list[str]) -> tuple[Any, 
     preset: Path | None = None
     if config is not None:
         path = Path(config)
+        if path.name == "latest" and path.parent.name == "checkpoints" and path.is_file():
+            from scratchlm.train.checkpoint import resolve_checkpoint
+
+            path = resolve_checkpoint(path)  # RUN/checkpoints/latest names the newest step directory
         if path.is_dir():
             if not (path / "config.toml").is_file():
                 raise UserError(f"{path} is a directory without a config.toml")
@@ -156,6 +161,7 @@ def export_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     out = Path(args.out)
+    check_writable_dir(out, f"output {out}")  # before the model loads (also a symbolic link loop)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
     if (out / "model.safetensors").is_file() and (out / "config.toml").is_file():
