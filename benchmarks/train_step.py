@@ -1,7 +1,7 @@
 """A full training step of scratchlm vs a torch.nn reference of the same Llama-shaped model.
 
     python benchmarks/train_step.py [--shapes gpt2small tinystories longctx] [--variants ...]
-        [--json out.json] [--profile ROWS]
+        [--json out.json] [--profile ROWS] [--no-references]
 
 scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile, in the
 variants of `scratchlm.bench.training_step.VARIANTS` (`--variants`, default all): scratchlm's AdamW (multi-tensor path), torch's
@@ -43,15 +43,27 @@ from scratchlm.bench.training_step import (SHAPES, VARIANTS, compare_rows, fused
                                            reference_model, scratchlm_model, step_fn)
 
 
-def run_shape(key, warmup, steps, variants=("foreach", "torch_fused"), checkpoint_every=(1,), *, measure=measure_step):
+def run_shape(key, warmup, steps, variants=("foreach", "torch_fused"), checkpoint_every=(1,), *, measure=measure_step,
+              references=True):
     """Both references and each of `variants` at the shape `key` (longctx: `run_longctx`).
-    ``measure``: `measure_step` with the caller's profiling and saving options bound."""
+    ``measure``: `measure_step` with the caller's profiling and saving options bound.
+    ``references=False``: the variants only, each compared with the first (e.g. FP8 against
+    bf16 when the time for the two torch.nn references is not at hand)."""
     shape = SHAPES[key]
     flops_token = reference_flops_per_token(shape)
     print(f"{key}: {shape}, forward FLOPs/token {flops_token / 1e6:.0f}M", flush=True)
     if key == "longctx":
         return run_longctx(shape, warmup, steps, flops_token, checkpoint_every, measure=measure)
     holder = {}
+    if not references:
+        rows = []
+        for name in variants:
+            label, kwargs = VARIANTS[name]
+            torch._dynamo.reset()
+            rows.append(measure(label, make_scratchlm(shape, holder, **kwargs), shape, warmup, steps, flops_token))
+            holder.clear()
+        compare_rows(rows[0], rows[1:], suffix="_vs_first_variant")
+        return {"shape": key, **shape, "rows": rows}
 
     # Two references: the model compiled and the loss eager (the reference of the earlier runs),
     # and model + loss compiled together; ratios are given against both, and the faster one is
@@ -140,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="scratchlm variants to time against the reference (gpt2small and tinystories)")
+    p.add_argument("--no-references", dest="references", action="store_false",
+                   help="time the --variants only, each against the first (gpt2small and tinystories)")
     p.add_argument("--checkpoint-every", type=int, nargs="+", default=[1, 2, 0], metavar="K",
                    help="longctx: the activation-checkpointing densities to time on both sides (every K-th block; 0: none)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
@@ -164,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     measure = functools.partial(measure_step, profile_rows=args.profile, on_row=save)
     for key in args.shapes:
         warm, steps = (1, 3) if key == "longctx" else (args.warmup, args.steps)
-        out["shapes"].append(run_shape(key, warm, steps, args.variants, args.checkpoint_every, measure=measure))
+        out["shapes"].append(run_shape(key, warm, steps, args.variants, args.checkpoint_every, measure=measure,
+                                       references=args.references))
         out.pop("rows_of_unfinished_shape", None)
         save()
     return 0

@@ -30,6 +30,23 @@ def test_ratios_against_both_references_and_the_best_one():
     assert "ratio_vs_best_reference" not in ref_compiled
 
 
+def test_without_references_each_variant_is_compared_with_the_first():
+    script = load("train_step")
+    seen = []
+
+    def measure(name, *args, **kwargs):
+        seen.append(name)
+        rate = 120.0 if "FP8" in name else 150.0
+        return {"variant": name, "tokens_per_s": rate, "tokens_per_s_back_to_back": rate, "peak_gib": 2.0,
+                "reserved_gib": 4.0}
+
+    out = script.run_shape("tinystories", 1, 1, ["cudagraphs", "cudagraphs_fp8"], measure=measure, references=False)
+    assert seen == [script.VARIANTS["cudagraphs"][0], script.VARIANTS["cudagraphs_fp8"][0]]
+    first, fp8 = out["rows"]
+    assert fp8["ratio_vs_first_variant"] == pytest.approx(0.8) and "ratio_vs_first_variant" not in first
+    assert not script.build_parser().parse_args(["--no-references"]).references
+
+
 def test_long_context_compares_the_best_row_that_fits_on_each_side():
     script = load("train_step")
     out = script.run_shape("longctx", 1, 1, checkpoint_every=[1, 2], measure=fake_measure)
