@@ -336,6 +336,7 @@ GRPO_EI_OPTIONS = {
     "grpo": ["align-grpo", "--grpo.n_grpo_steps=1", "--grpo.rollout_batch_size=4", "--grpo.group_size=2",
              "--grpo.train_batch_size=4", "--grpo.grad_accum_steps=2"],
     "expert-iteration": ["align-ei", "--ei.n_ei_steps=1", "--ei.questions_per_step=2", "--ei.group_size=2"],
+    "sft": ["align-sft", "--sft.max_steps=1"],
 }
 
 
@@ -346,8 +347,9 @@ def _earlier_run(out):
     return {p.name: p.read_bytes() for p in out.iterdir()}
 
 
-@pytest.mark.parametrize("command", ["grpo", "expert-iteration"])
-@pytest.mark.parametrize("split", ["training", "evaluation"])
+@pytest.mark.parametrize("command, split", [("grpo", "training"), ("grpo", "evaluation"),
+                                            ("expert-iteration", "training"), ("expert-iteration", "evaluation"),
+                                            ("sft", "evaluation")])  # (sft leaves out long training pairs)
 def test_prompts_too_long_for_the_context_are_refused_before_anything_is_written(tiny_policy, tmp_path, capsys,
                                                                                  command, split):
     # The first rollout (or the step-0 evaluation) failed on the long prompt after metrics.jsonl

@@ -187,7 +187,8 @@ def sft_command(argv: list[str]) -> int:
     pairs = sft_pairs(train, template)
     if not pairs:
         raise UserError(f"dataset {cfg.data.dataset!r} has no worked solutions to fine-tune on")
-    policy, out_dir = _start(cfg)
+    # Training pairs too long are left out or cut (sft_train reports them); evaluation prompts must fit.
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals))
     metrics = MetricsWriter(out_dir)
     evaluate = _evaluator(policy, cfg, template, reward_fn, evals, out_dir)
     history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
