@@ -8,6 +8,7 @@ import pytest
 
 from scratchlm.align.prompts import get_template
 from scratchlm.align.task import ArithmeticTask, arithmetic_reward
+from scratchlm.errors import UserError
 
 
 @pytest.mark.parametrize("difficulty", [1, 3, 6])
@@ -44,6 +45,18 @@ def test_difficulty_knob_lengthens_the_chain():
     assert short.reasoning.count("=") == 1 and long.reasoning.count("=") == 5
     with pytest.raises(ValueError):
         ArithmeticTask(difficulty=0)
+
+
+
+def test_more_problems_than_a_difficulty_holds_is_a_user_error():
+    # arith:1 without a limit draws 1000 problems, more than it has: a ValueError (rc 1)
+    from scratchlm.align.datasets import load_examples
+
+    with pytest.raises(UserError, match=r"arith:1 has only \d+ distinct test problems, fewer than the 1000 asked for; "
+                                        r"set a limit of at most \d+") as error:
+        load_examples("arith:1", "test")
+    n = int(str(error.value).split()[3])
+    assert len(load_examples("arith:1", "test", limit=n)) == n  # the limit it names is one that works
 
 
 def test_reward_checks_the_answer():

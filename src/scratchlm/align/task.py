@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass
 
 from scratchlm.align.datasets import MathExample
+from scratchlm.errors import UserError
 
 _OPS = {
     "add": ("+", ("add {x}", "plus {x}", "increase it by {x}")),
@@ -92,7 +93,9 @@ class ArithmeticTask:
         while len(out) < n:
             attempts += 1
             if attempts > 200 * n + 10_000:
-                raise ValueError(f"cannot draw {n} distinct {split} problems at difficulty {self.difficulty}")
+                # arith:1 holds a few hundred problems, fewer than the 1000 drawn when no limit is set
+                raise UserError(f"arith:{self.difficulty} has only {len(out)} distinct {split} problems, fewer than "
+                                f"the {n} asked for; set a limit of at most {len(out)}")
             ex = self.sample(rng)
             if ex.question in seen or _heldout(ex.question, self.heldout_fraction) != want_heldout:
                 continue
