@@ -389,3 +389,27 @@ def test_expert_iteration_refuses_more_questions_a_step_than_the_training_set_ha
     assert code == 2 and "\n" not in err
     assert "expert iteration draws 4 questions a step (ei.questions_per_step) but the training set has 3" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_symbolic_link_loops_are_one_line_errors(tmp_path, capsys):
+    # Path.resolve() raised RuntimeError ("Symlink loop from ..."), reported as an unexpected error.
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    cases = [
+        (["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={loop}", *COMMON],
+         f"run.out_dir {loop}:"),
+        (["dpo", "dpo", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={loop / 'run'}", "--policy.device=cpu"],
+         f"run.out_dir {loop / 'run'}:"),
+        (["sft", "align-sft", f"--policy.path={loop}", f"--run.out_dir={tmp_path / 'run'}", *COMMON],
+         f"policy.path {loop}:"),
+        (["eval-math", str(tmp_path / "base"), "--dataset", "arith", "--out", str(loop)], f"--out {loop}:"),
+        (["eval-math", str(tmp_path / "base"), "--dataset", "arith", "--out", str(loop / "r.jsonl")],
+         f"--out {loop / 'r.jsonl'}:"),
+        (["eval-math", str(tmp_path / "base"), "--dataset", str(loop), "--out", str(tmp_path / "r.jsonl")],
+         f"--dataset {loop}:"),
+    ]
+    for argv, what in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert f"{what} a symbolic link on its path leads back to itself" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()

@@ -62,6 +62,14 @@ def _require_policy_path(cfg: Any) -> None:
         raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
 
 
+def _resolve(path: Path, what: str) -> Path:
+    """`path.resolve()`; a symbolic link loop on the way is a UserError naming `what` (such as ``--out F``)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # RuntimeError before Python 3.13
+        raise UserError(f"{what}: a symbolic link on its path leads back to itself") from None
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file, a training run's folders
     and a Hugging Face model directory."""
@@ -93,8 +101,8 @@ def _start(cfg: Any, check: Callable[[Any], None] | None = None):
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
     _check_out_dir(out_dir)
-    saved = (out_dir / "policy").resolve()
-    start = Path(cfg.policy.path).resolve()
+    saved = _resolve(out_dir / "policy", f"run.out_dir {out_dir}")
+    start = _resolve(Path(cfg.policy.path), f"policy.path {cfg.policy.path}")
     if start == saved or saved in start.parents:
         # policy/ is rewritten (and its older steps pruned): the starting model would be lost.
         raise UserError(f"policy.path {cfg.policy.path} is inside {out_dir / 'policy'}, where this run saves its "
@@ -337,7 +345,7 @@ def eval_math_command(argv: list[str]) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
-        if out.resolve() == Path(args.dataset).resolve():
+        if _resolve(out, f"--out {out}") == _resolve(Path(args.dataset), f"--dataset {args.dataset}"):
             raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
         check_writable_dir(out.parent, f"--out {out}")  # (also refuses a file where a folder should be)
         out.parent.mkdir(parents=True, exist_ok=True)
