@@ -65,6 +65,9 @@ def test_arith_dataset_name():
     ({"question": None, "answer": "#### 2"}, r"row 1: question must be a string, got NoneType"),
     ({"problem": "p", "solution": 7}, r"row 1: solution must be a string, got int"),
     ({"problem": "p", "solution": "s", "answer": ["2"]}, r"row 1: answer must be a string or a number"),
+    # no answer to grade against: every response was graded wrong, silently
+    ({"problem": "p", "solution": "s"}, r"row 1: a MATH row needs an answer: an 'answer' value or a \\boxed"),
+    ({"problem": "p", "solution": "s", "answer": " "}, r"row 1: a MATH row needs an answer"),
     ({"question": "1+1?", "answer": "2"}, r"row 1: a GSM8K answer must end with '#### <number>'"),
     ({"question": "1+1?", "answer": "1+1=2\n#### "}, r"row 1: .* not an empty '####'"),
     (5, r"row 1 has neither question/answer"),

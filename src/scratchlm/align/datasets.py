@@ -108,7 +108,11 @@ def math_example(row: dict[str, Any]) -> MathExample:
     answer = str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer
     if answer is not None and not isinstance(answer, str):
         raise UserError(f"answer must be a string or a number, got {type(answer).__name__}")
-    answer = answer or last_boxed(row["solution"]) or ""
+    boxed = last_boxed(row["solution"])
+    if not (answer or "").strip() and boxed is None:
+        # An empty gold answer would grade every response as wrong, silently.
+        raise UserError("a MATH row needs an answer: an 'answer' value or a \\boxed{...} answer in its solution")
+    answer = answer or boxed or ""
     meta = {k: row[k] for k in ("level", "type", "unique_id") if k in row}
     return MathExample(row["problem"], answer, row["solution"].strip(), meta)
 
