@@ -58,6 +58,9 @@ def test_presets_load_with_overrides():
     (DPORunConfig, "dpo", "--dpo.num_epochs=inf", "dpo.num_epochs must be a finite number"),
     (SFTRunConfig, "align-sft", "--run.seed=-1", r"run.seed must be in \[0, 2\*\*32\)"),
     (DPORunConfig, "dpo", "--run.seed=99999999999999999999999", r"run.seed must be in \[0, 2\*\*32\)"),
+    # wrote config.toml and metrics.jsonl over those of the working directory
+    (SFTRunConfig, "align-sft", "--run.out_dir=", "run.out_dir must name a folder"),
+    (DPORunConfig, "dpo", "--run.out_dir= ", "run.out_dir must name a folder"),
     # the group's mean is its only reward: advantages all 0, or NaN divided by the group's std
     (GRPORunConfig, "align-grpo", "--grpo.group_size=1", "grpo.group_size must be >= 2"),
     (GRPORunConfig, "align-grpo", "--grpo.normalize_constant=-1", "grpo.normalize_constant must be >= 0"),  # flipped sign

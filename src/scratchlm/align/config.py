@@ -259,6 +259,8 @@ class RunConfig:
     progress: bool = True  # tqdm bars
 
     def __post_init__(self) -> None:
+        if not self.out_dir.strip():  # (an unset variable) wrote config.toml, metrics.jsonl into the working directory
+            raise ValueError(f"run.out_dir must name a folder (\".\" for the working directory), got {self.out_dir!r}")
         if not 0 <= self.seed < 2**32:  # numpy's range, as the other commands' seeds
             raise ValueError(f"run.seed must be in [0, 2**32), got {self.seed}")
 
