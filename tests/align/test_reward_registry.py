@@ -35,6 +35,9 @@ def test_default_reward_follows_template_and_dataset():
     assert default_reward_name("r1_zero", "arith:3") == "arithmetic"
     assert default_reward_name("question_only", "arith") == "question_only"
     assert default_reward_name("r1_zero", "gsm8k") == "r1_zero"
+    # a file whose name starts with "arith" is not the task: its fractions were graded as integers, always wrong
+    assert default_reward_name("r1_zero", "arithmetic.jsonl") == "r1_zero"
+    assert default_reward_name("r1_zero", "arith_mix.jsonl") == "r1_zero"
     assert select_reward("", template="r1_zero", dataset="arith:2") is arithmetic_reward
     assert select_reward("", template="question_only", dataset="math") is question_only_reward
     assert select_reward("question_only", template="r1_zero", dataset="arith") is question_only_reward

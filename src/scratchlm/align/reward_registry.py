@@ -60,7 +60,7 @@ def get_reward_fn(name: str | RewardFn) -> RewardFn:
 
 def default_reward_name(template: str, dataset: str) -> str:
     """The reward used when none is named (see the module docstring)."""
-    if dataset.startswith("arith") and template == "r1_zero":
+    if (dataset == "arith" or dataset.startswith("arith:")) and template == "r1_zero":
         return "arithmetic"
     return template
 
