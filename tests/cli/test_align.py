@@ -416,3 +416,28 @@ def test_symbolic_link_loops_are_one_line_errors(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert f"{what} a symbolic link on its path leads back to itself" in err and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command, preset, options", [
+    ("sft", "align-sft", ["--sft.max_steps=1"]),
+    ("grpo", "align-grpo", GRPO_EI_OPTIONS["grpo"][1:]),
+    ("expert-iteration", "align-ei", GRPO_EI_OPTIONS["expert-iteration"][1:]),
+])
+def test_evaluations_grade_with_the_evaluation_datasets_default_reward(tiny_policy, tmp_path, monkeypatch, command,
+                                                                       preset, options):
+    # Trained on arith, evaluated on a GSM8K file: graded with the integer-only arithmetic reward
+    # ("$18" or "18.0" wrong), where eval-math grades that file with r1_zero.
+    from scratchlm.align import evaluate
+    from scratchlm.align.rewards import r1_zero_reward
+
+    used = []
+    real = evaluate.evaluate_policy
+    monkeypatch.setattr(evaluate, "evaluate_policy", lambda *a, **kw: used.append(kw["reward_fn"]) or real(*a, **kw))
+    tiny_policy.save(tmp_path / "base")
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n"
+                            for i in range(2)))
+    assert main([command, preset, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={tmp_path / 'run'}", *COMMON,
+                 f"--data.eval_dataset={data}", *options]) == 0
+    assert used and all(fn is r1_zero_reward for fn in used)
+

@@ -166,8 +166,13 @@ def _check_prompts_fit(cfg: Any, template: Any, train: Sequence[Any], evals: Seq
     return check
 
 
-def _evaluator(policy: Any, cfg: Any, template: Any, reward_fn: Any, examples: Any, out_dir: Path):
+def _evaluator(policy: Any, cfg: Any, template: Any, examples: Any, out_dir: Path):
     from scratchlm.align.evaluate import evaluate_policy, write_jsonl
+    from scratchlm.align.reward_registry import select_reward
+
+    # The default reward follows the evaluation dataset (which may not be the training one), as in eval-math.
+    data = cfg.data
+    reward_fn = select_reward(data.reward, template=data.template, dataset=data.eval_dataset or data.dataset)
 
     def evaluate(step: int) -> dict[str, Any]:
         records, summary = evaluate_policy(policy, examples, template=template, reward_fn=reward_fn,
@@ -191,14 +196,14 @@ def sft_command(argv: list[str]) -> int:
     from scratchlm.align.sft import sft_train
 
     cfg = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
-    template, reward_fn, train, evals = _inputs(cfg)
+    template, _, train, evals = _inputs(cfg)
     pairs = sft_pairs(train, template)
     if not pairs:
         raise UserError(f"dataset {cfg.data.dataset!r} has no worked solutions to fine-tune on")
     # Training pairs too long are left out or cut (sft_train reports them); evaluation prompts must fit.
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals))
     metrics = MetricsWriter(out_dir)
-    evaluate = _evaluator(policy, cfg, template, reward_fn, evals, out_dir)
+    evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
                         progress=cfg.run.progress, report=print, evaluate=evaluate)
     metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
@@ -219,7 +224,7 @@ def expert_iteration_command(argv: list[str]) -> int:
     metrics = MetricsWriter(out_dir)
     history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
-                               evaluate=_evaluator(policy, cfg, template, reward_fn, evals, out_dir), seed=cfg.run.seed,
+                               evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
                                log=metrics, progress=cfg.run.progress)
     policy.save(out_dir / "policy", step=len(history))
     return 0
@@ -237,7 +242,7 @@ def grpo_command(argv: list[str]) -> int:
     metrics = MetricsWriter(out_dir)
     history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
                          grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
-                         evaluate=_evaluator(policy, cfg, template, reward_fn, evals, out_dir), seed=cfg.run.seed,
+                         evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
                          log=metrics, progress=cfg.run.progress)
     policy.save(out_dir / "policy", step=len(history))
     return 0
