@@ -64,6 +64,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, encoding: str = "ut
     _fsync_directory(path.parent)
 
 
+def resolve_path(path: str | os.PathLike, what: str) -> Path:
+    """`Path(path).resolve()`; a symbolic link loop on the way is a UserError naming `what`
+    (such as ``--out F``)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError):  # RuntimeError before Python 3.13
+        raise UserError(f"{what}: a symbolic link on its path leads back to itself") from None
+
+
 def check_writable_dir(directory: str | os.PathLike, what: str) -> None:
     """Refuse, with a UserError naming ``what`` (such as ``--out results.jsonl``), a ``directory``
     that files cannot be written into: one that exists and takes no new file, or one that is

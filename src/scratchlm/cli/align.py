@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.errors import UserError
-from scratchlm.fileio import check_writable_dir
+from scratchlm.fileio import check_writable_dir, resolve_path
 
 log = logging.getLogger("scratchlm.align")
 
@@ -62,14 +62,6 @@ def _require_policy_path(cfg: Any) -> None:
         raise UserError("set the starting model with --policy.path=PATH (a run directory or a HF model directory)")
 
 
-def _resolve(path: Path, what: str) -> Path:
-    """`path.resolve()`; a symbolic link loop on the way is a UserError naming `what` (such as ``--out F``)."""
-    try:
-        return path.resolve()
-    except (RuntimeError, OSError):  # RuntimeError before Python 3.13
-        raise UserError(f"{what}: a symbolic link on its path leads back to itself") from None
-
-
 def _check_out_dir(out_dir: Path) -> None:
     """run.out_dir is rewritten (config.toml, metrics.jsonl): refuse a file, a training run's folders
     and a Hugging Face model directory."""
@@ -101,8 +93,8 @@ def _start(cfg: Any, check: Callable[[Any], None] | None = None):
     torch.manual_seed(cfg.run.seed)
     out_dir = Path(cfg.run.out_dir)
     _check_out_dir(out_dir)
-    saved = _resolve(out_dir / "policy", f"run.out_dir {out_dir}")
-    start = _resolve(Path(cfg.policy.path), f"policy.path {cfg.policy.path}")
+    saved = resolve_path(out_dir / "policy", f"run.out_dir {out_dir}")
+    start = resolve_path(Path(cfg.policy.path), f"policy.path {cfg.policy.path}")
     if start == saved or saved in start.parents:
         # policy/ is rewritten (and its older steps pruned): the starting model would be lost.
         raise UserError(f"policy.path {cfg.policy.path} is inside {out_dir / 'policy'}, where this run saves its "
@@ -350,7 +342,7 @@ def eval_math_command(argv: list[str]) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
-        if _resolve(out, f"--out {out}") == _resolve(Path(args.dataset), f"--dataset {args.dataset}"):
+        if resolve_path(out, f"--out {out}") == resolve_path(Path(args.dataset), f"--dataset {args.dataset}"):
             raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
         check_writable_dir(out.parent, f"--out {out}")  # (also refuses a file where a folder should be)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ import regex
 
 from scratchlm.data.token_file import is_token_file, sidecar_path, token_dtype
 from scratchlm.errors import UserError
-from scratchlm.fileio import check_writable_dir, write_text_atomic
+from scratchlm.fileio import check_writable_dir, resolve_path, write_text_atomic
 from scratchlm.tokenizer.worker_pool import pool_context, worker_pool
 
 DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -278,10 +278,8 @@ def _check_output(path: Path, source: Path) -> Path:
         raise UserError(f"output path is a directory: {path} (give a file name such as {path / 'train.bin'})")
     if path.suffix == ".json":
         raise UserError(f"output path {path} ends in .json, the name reserved for its sidecar")
-    try:
-        resolved, sidecar = path.resolve(), sidecar_path(path).resolve()
-    except (RuntimeError, OSError):  # RuntimeError before Python 3.13
-        raise UserError(f"output {path}: a symbolic link on its path leads back to itself") from None
+    resolved = resolve_path(path, f"output {path}")
+    sidecar = resolve_path(sidecar_path(path), f"output {path}")
     if source in (resolved, sidecar):
         raise UserError(f"output {path} would overwrite the input")
     # A file in the way, or a folder that takes no file; a missing folder is made with the parts folder.
