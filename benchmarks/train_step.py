@@ -55,13 +55,18 @@ def run_shape(key, warmup, steps, variants=("foreach", "torch_fused"), checkpoin
     if key == "longctx":
         return run_longctx(shape, warmup, steps, flops_token, checkpoint_every, measure=measure)
     holder = {}
-    if not references:
+
+    def measure_variants():
         rows = []
         for name in variants:
             label, kwargs = VARIANTS[name]
             torch._dynamo.reset()
             rows.append(measure(label, make_scratchlm(shape, holder, **kwargs), shape, warmup, steps, flops_token))
             holder.clear()
+        return rows
+
+    if not references:
+        rows = measure_variants()
         compare_rows(rows[0], rows[1:], suffix="_vs_first_variant")
         return {"shape": key, **shape, "rows": rows}
 
@@ -75,12 +80,7 @@ def run_shape(key, warmup, steps, variants=("foreach", "torch_fused"), checkpoin
     ref_cl = measure("torch.nn reference, loss compiled too", make_reference(shape, holder, True), shape,
                      warmup, steps, flops_token)
     holder.pop("m", None)
-    rows = [ref, ref_cl]
-    for name in variants:
-        label, kwargs = VARIANTS[name]
-        torch._dynamo.reset()
-        rows.append(measure(label, make_scratchlm(shape, holder, **kwargs), shape, warmup, steps, flops_token))
-        holder.clear()
+    rows = [ref, ref_cl, *measure_variants()]
     compare_rows(ref, rows[1:])
     best = max((r for r in (ref, ref_cl) if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"], default=ref)
     if best is not ref:
