@@ -600,14 +600,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--data-dir {data_dir} has no gsm8k/ folder; point it at the shared data folder")
         stages = list(STAGES[:STAGES.index(args.until) + 1])
         redo = set(STAGES[STAGES.index(args.from_stage):]) if args.from_stage else set()
-        if "data" in redo or not (out / "stages" / "data.json").is_file():
+        pipeline = Pipeline(scale, out, data_dir=data_dir, device=args.device, seed=args.seed)
+        if "data" in redo or not pipeline.record_path("data").is_file():
             decompressor()  # fail before any work when the books cannot be read (only the data stage reads them)
         if scale.threads:
             import torch
 
             torch.set_num_threads(scale.threads)  # tiny models: one thread beats a contended pool
         started = time.perf_counter()
-        Pipeline(scale, out, data_dir=data_dir, device=args.device, seed=args.seed).run(stages, redo)
+        pipeline.run(stages, redo)
     except (UserError, StageFailed) as exc:
         print(f"math_model: error: {exc}", file=sys.stderr)
         return 1
