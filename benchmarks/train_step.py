@@ -1,6 +1,6 @@
 """A full training step of scratchlm vs a torch.nn reference of the same Llama-shaped model.
 
-    python benchmarks/train_step.py [--shapes gpt2small tinystories longctx] [--variants ...]
+    python benchmarks/train_step.py [--shapes gpt2small gpt2medium tinystories longctx] [--variants ...]
         [--json out.json] [--profile ROWS] [--no-references]
 
 scratchlm: `build_model` (attention_backend "flash_triton"), bf16 autocast, torch.compile, in the
