@@ -74,3 +74,14 @@ def test_sample_frequencies_follow_softmax():
     out = sample_next(logits, temperature=2.0, generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(out, minlength=3).double() / out.numel()
     torch.testing.assert_close(freq, F.softmax(torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64), -1), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45, 1e-320])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    # logits / 1e-45 overflowed to +inf and the softmax to NaN: a garbage id was drawn.
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50) * 4
+    out = sample_next(logits, temperature=temperature, top_k=10, top_p=0.9,
+                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, logits.argmax(-1))
+    assert torch.equal(sample_next(logits, temperature=temperature), logits.argmax(-1))
