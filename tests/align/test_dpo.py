@@ -278,3 +278,17 @@ def test_dpo_reports_the_training_and_held_out_pairs_it_leaves_out_or_cuts_short
     events.clear()
     dpo_train(tiny_policy, pairs, dpo=DPOConfig(max_steps=1), optim=OptimConfig(), report=events.append)
     assert events == []
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_or_shortened(tiny_policy):
+    # A 1-step run with a 5-step warm-up trained at rate 0 and changed nothing.
+    pairs = arithmetic_preference_pairs(4, seed=2)
+    dpo, optim = DPOConfig(micro_batch_size=2, grad_accum_steps=1, max_steps=1), OptimConfig(lr=1e-3, warmup_steps=5)
+    start = _params(tiny_policy.model)
+    with pytest.raises(UserError, match=r"optim.warmup_steps=5 is not shorter than the 1 optimizer update of this "
+                                        r"run \(dpo.max_steps=1\)"):
+        dpo_train(tiny_policy, pairs, dpo=dpo, optim=optim)
+    assert all(torch.equal(a, b) for a, b in zip(start, _params(tiny_policy.model)))
+    history = dpo_train(tiny_policy, pairs, dpo=dpo, optim=optim, long_warmup="shorten")
+    assert [h["lr"] for h in history] == [1e-3]
+    assert any(not torch.equal(a, b) for a, b in zip(start, _params(tiny_policy.model)))

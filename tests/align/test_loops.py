@@ -278,3 +278,83 @@ def test_blockwise_compiled_log_probs_equal_eager_with_one_graph_for_every_block
     assert counter.frame_count == 2
     with pytest.raises(ValueError, match="exceeds context_length"):
         compiled(model, torch.zeros(1, 33, dtype=torch.long), torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_learning_rate_warms_up_from_the_first_update_and_ends_at_the_floor():
+    from scratchlm.align.sft import learning_rate
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.0)
+    assert [learning_rate(s, 5, cfg) for s in range(5)] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
+    # The first update of a warm-up was at rate 0: all of a 1-step run, which learnt nothing.
+    assert learning_rate(0, 1, OptimConfig(lr=1e-3, warmup_steps=5)) == pytest.approx(2e-4)
+    assert learning_rate(0, 1, OptimConfig(lr=1e-3)) == 1e-3
+    no_warmup = OptimConfig(lr=1.0, min_lr_ratio=0.1)
+    assert [learning_rate(s, 3, no_warmup) for s in range(3)] == pytest.approx([1.0, 0.55, 0.1])
+
+
+def test_fit_warmup_refuses_shortens_or_keeps_a_warmup_as_long_as_the_run(caplog):
+    from scratchlm.align.sft import fit_warmup
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=5)
+    with pytest.raises(UserError) as err:
+        fit_warmup(optim, 5, "of this run (dpo.max_steps=5)")
+    assert str(err.value).startswith("optim.warmup_steps=5 is not shorter than the 5 optimizer updates of this run "
+                                     "(dpo.max_steps=5)") and "optim.warmup_steps below 5" in str(err.value)
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        assert fit_warmup(optim, 6, "of this run", long_warmup="shorten") is optim
+    assert not caplog.records  # shorter than the run: nothing to say
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        assert fit_warmup(optim, 5, "of this run", long_warmup="shorten").warmup_steps == 0  # a tenth of the run
+        assert fit_warmup(OptimConfig(warmup_steps=60), 50, "of this run", long_warmup="shorten").warmup_steps == 5
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        shortened = fit_warmup(optim, 1, "of this run (sft.max_steps=1)", long_warmup="shorten")
+    assert shortened == OptimConfig(lr=1e-3, warmup_steps=0)
+    (record,) = caplog.records
+    assert "optim.warmup_steps=5" in record.getMessage() and "the 1 optimizer update of" in record.getMessage()
+    assert fit_warmup(optim, 1, "", long_warmup="keep") is optim
+    assert fit_warmup(optim, 0, "") is optim  # no update at all (grpo.n_grpo_steps = 0): nothing to warm up
+
+
+def test_loops_refuse_a_warmup_as_long_as_the_run_before_evaluating(tiny_policy):
+    examples = ArithmeticTask(difficulty=1).examples(4, seed=3)
+    start = _params(tiny_policy.model)
+
+    def evaluate(step):
+        raise AssertionError("evaluated before the warm-up was checked")
+
+    long = OptimConfig(lr=1e-2, warmup_steps=2)
+    with pytest.raises(UserError, match=r"optim.warmup_steps=2 is not shorter than the 1 optimizer update of this "
+                                        r"run \(1 epoch\(s\) of 4 pairs, 4 a step\)"):
+        sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1),
+                  optim=long, evaluate=evaluate)
+    grpo = GRPOConfig(n_grpo_steps=1, rollout_batch_size=4, group_size=2, train_batch_size=4, grad_accum_steps=1)
+    sampling = SamplingConfig(max_new_tokens=4, batch_size=4)
+    with pytest.raises(UserError, match=r"the 1 optimizer update of this run \(grpo.n_grpo_steps=1 x 1 a step\)"):
+        grpo_train(tiny_policy, examples, template=TEMPLATE, reward_fn=arithmetic_reward, grpo=grpo, optim=long,
+                   sampling=sampling, evaluate=evaluate)
+    with pytest.raises(UserError, match=r"the 1 optimizer update that the SFT of an expert-iteration step takes at "
+                                        r"most \(ei.sft_epochs=1 over ei.questions_per_step x ei.group_size = 4"):
+        expert_iteration(tiny_policy, examples, template=TEMPLATE, reward_fn=arithmetic_reward,
+                         ei=ExpertIterationConfig(n_ei_steps=1, questions_per_step=2, group_size=2),
+                         sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1), optim=long, sampling=sampling,
+                         evaluate=evaluate)
+    assert all(torch.equal(a, b) for a, b in zip(start, _params(tiny_policy.model)))
+
+
+def test_a_shortened_warmup_trains_at_the_full_rate(tiny_policy):
+    examples = ArithmeticTask(difficulty=1).examples(4, seed=3)
+    history = sft_train(tiny_policy, _pairs(examples), sft=SFTConfig(micro_batch_size=4, grad_accum_steps=1,
+                                                                     max_steps=1),
+                        optim=OptimConfig(lr=1e-2, warmup_steps=20), long_warmup="shorten")
+    assert [h["lr"] for h in history] == [1e-2]
+
+
+def test_a_time_limited_grpo_run_keeps_its_warmup(tiny_policy):
+    # Its number of updates is not known in advance: no error, the warm-up is left as it is.
+    history = grpo_train(tiny_policy, ArithmeticTask(difficulty=1).examples(8), template=TEMPLATE,
+                         reward_fn=arithmetic_reward,
+                         grpo=GRPOConfig(n_grpo_steps=1, rollout_batch_size=4, group_size=2, train_batch_size=4,
+                                         grad_accum_steps=1, max_seconds=3600.0),
+                         optim=OptimConfig(lr=1e-3, warmup_steps=4), sampling=SamplingConfig(max_new_tokens=4))
+    assert history[-1]["lr"] == pytest.approx(1e-3 / 4)

@@ -70,6 +70,17 @@ def test_presets_load_with_overrides():
     # rollouts of no tokens: nothing rewarded, nothing learnt (grpo's constant normalisation: a ValueError)
     (GRPORunConfig, "align-grpo", "--sampling.max_new_tokens=0", "sampling.max_new_tokens must be >= 1"),
     (ExpertIterationRunConfig, "align-ei", "--sampling.max_new_tokens=0", "sampling.max_new_tokens must be >= 1"),
+    # AdamW's m / (sqrt(v) + 0) is 0 / 0 for a weight with no gradient yet: a NaN policy was saved
+    (SFTRunConfig, "align-sft", "--optim.eps=0", "optim.eps must be positive"),
+    (DPORunConfig, "dpo", "--optim.eps=0", "optim.eps must be positive"),
+    # a group of equal rewards (std 0) gave advantages 0 / 0: NaN loss, NaN policy saved
+    (GRPORunConfig, "align-grpo", "--grpo.advantage_eps=0",
+     "grpo.advantage_eps must be > 0 with grpo.normalize_by_std"),
+    # greedy rollouts: a group's responses all the same, every GRPO advantage 0 (loss 0, nothing learnt)
+    (GRPORunConfig, "align-grpo", "--sampling.temperature=0",
+     "sampling.temperature must be > 0 for rollouts of grpo.group_size=8 responses"),
+    (ExpertIterationRunConfig, "align-ei", "--sampling.temperature=0",
+     "sampling.temperature must be > 0 for rollouts of ei.group_size=4 responses"),
 ])
 def test_out_of_range_settings_are_config_errors(cls, preset, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,6 +90,18 @@ def test_out_of_range_settings_are_config_errors(cls, preset, override, message)
 def test_group_size_one_is_allowed_without_a_baseline():
     cfg = load_config(GRPORunConfig, "align-grpo", ["--grpo.group_size=1", "--grpo.loss_type=no_baseline"])
     assert cfg.grpo.group_size == 1
+
+
+@pytest.mark.parametrize("cls, preset, overrides", [
+    # Dr. GRPO divides by nothing
+    (GRPORunConfig, "align-grpo", ["--grpo.advantage_eps=0", "--grpo.normalize_by_std=false"]),
+    (GRPORunConfig, "align-grpo", ["--grpo.advantage_eps=0", "--grpo.loss_type=no_baseline"]),  # uses raw rewards
+    (GRPORunConfig, "align-grpo", ["--sampling.temperature=0", "--grpo.group_size=1", "--grpo.loss_type=no_baseline"]),
+    (ExpertIterationRunConfig, "align-ei", ["--sampling.temperature=0", "--ei.group_size=1"]),
+    (SFTRunConfig, "align-sft", ["--sampling.temperature=0"]),  # sft samples nothing (evaluations are greedy)
+])
+def test_settings_that_are_only_wrong_with_others_are_allowed_alone(cls, preset, overrides):
+    load_config(cls, preset, overrides)
 
 
 def test_sft_command_writes_metrics_evals_and_policy(tiny_policy, tmp_path):
@@ -441,3 +464,138 @@ def test_evaluations_grade_with_the_evaluation_datasets_default_reward(tiny_poli
                  f"--data.eval_dataset={data}", *options]) == 0
     assert used and all(fn is r1_zero_reward for fn in used)
 
+
+
+def _no_loading(monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the policy was loaded")
+
+    monkeypatch.setattr("scratchlm.align.policy.load_policy", no_loading)
+
+
+@pytest.mark.parametrize("command, options, updates", [
+    ("dpo", ["dpo", "--dpo.max_steps=1", "--optim.warmup_steps=5"],
+     "the 1 optimizer update of this run (dpo.max_steps=1)"),
+    ("dpo", ["dpo", "--data.limit=8", "--dpo.micro_batch_size=2", "--dpo.grad_accum_steps=2", "--optim.warmup_steps=2"],
+     "the 2 optimizer updates of this run (1 epoch(s) of 8 pairs, 4 a step)"),
+    ("sft", ["align-sft", *COMMON, "--sft.max_steps=2", "--optim.warmup_steps=3"],
+     "the 2 optimizer updates of this run (sft.max_steps=2)"),
+    ("grpo", [*GRPO_EI_OPTIONS["grpo"], *COMMON, "--optim.warmup_steps=1"],
+     "the 1 optimizer update of this run (grpo.n_grpo_steps=1 x 1 a step)"),
+    ("expert-iteration", [*GRPO_EI_OPTIONS["expert-iteration"], *COMMON, "--optim.warmup_steps=10"],
+     "the 1 optimizer update that the SFT of an expert-iteration step takes at most"),
+])
+def test_a_chosen_warmup_as_long_as_the_run_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                                 command, options, updates):
+    # The whole run was warm-up: a 1-step dpo run trained at learning rate 0 and saved the starting policy.
+    _no_loading(monkeypatch)
+    out = tmp_path / "run"
+    before = _earlier_run(out)
+    code = main([command, *options, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                 "--policy.device=cpu", "--run.progress=false"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    warmup = next(o for o in options if o.startswith("--optim.warmup_steps=")).split("=")[1]
+    assert f"error: optim.warmup_steps={warmup} is not shorter than {updates}" in err
+    assert "set optim.warmup_steps below" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_warmup_of_a_config_file_of_ones_own_is_a_choice(tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[optim]\nwarmup_steps = 5\n[dpo]\nmax_steps = 2\n")
+    code = main(["dpo", str(mine), f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={tmp_path / 'run'}",
+                 "--data.train_path=arith:1", "--data.limit=8"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "optim.warmup_steps=5 is not shorter than the 2 optimizer updates" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command, options, lr", [
+    ("dpo", ["dpo", "--dpo.max_steps=1", "--data.limit=4", "--data.eval_limit=2", "--dpo.micro_batch_size=2",
+             "--dpo.grad_accum_steps=2"], 1e-5),  # the preset warms up over 5 steps
+    ("sft", ["align-sft", *COMMON, "--sft.max_steps=2", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1"],
+     2e-5),  # over 20
+])
+def test_a_presets_warmup_as_long_as_the_run_is_shortened_with_a_warning(tiny_policy, tmp_path, caplog, command,
+                                                                         options, lr):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        assert main([command, *options, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+                     "--policy.device=cpu", "--run.progress=false"]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert "the default optim.warmup_steps=" in warning and "warming up over 0 instead" in warning
+    assert "\n" not in warning
+    trained = [r for r in _metrics(out) if "lr" in r]
+    assert trained and trained[0]["lr"] == lr  # (was 0.0 for the first update)
+    assert "warmup_steps = 0" in (out / "config.toml").read_text()  # what the run used
+
+
+def test_a_time_limited_grpo_run_is_not_refused_for_its_warmup(tiny_policy, tmp_path):
+    # Its number of updates is not known in advance.
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "run"
+    assert main(["grpo", *GRPO_EI_OPTIONS["grpo"], *COMMON, f"--policy.path={tmp_path / 'base'}",
+                 f"--run.out_dir={out}", "--optim.warmup_steps=4", "--grpo.max_seconds=3600"]) == 0
+    assert _metrics(out)[1]["lr"] == pytest.approx(1e-5 / 4)
+
+
+def _hf_directory(path):
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "llama"}\n')
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "tokenizer.json").write_text("{}\n")
+    return path
+
+
+@pytest.mark.parametrize("model, out", [
+    ("base", "base/config.toml"),
+    ("base", "base/checkpoints/step_000000/model.safetensors"),
+    ("base", "base/tokenizer/vocab.json"),
+    ("base/checkpoints/step_000000", "base/config.toml"),  # the step's run
+    ("base/checkpoints/step_000000/model.safetensors", "base/checkpoints/step_000000/model.safetensors"),
+    ("hf", "hf/config.json"),
+    ("hf", "hf/tokenizer.json"),
+    ("base", "other/metrics.jsonl"),  # another run's files
+    ("base", "link.jsonl"),  # a link to the model's config
+    ("base", "base/config.jsonl"),  # whose summary, config.summary.json, is the model's
+])
+def test_eval_math_out_may_not_overwrite_a_file_of_a_model(tiny_policy, tmp_path, capsys, monkeypatch, model, out):
+    # --out base/config.toml replaced the evaluated model's config with per-example results.
+    tiny_policy.save(tmp_path / "base")
+    tiny_policy.save(tmp_path / "other")
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "base" / "config.summary.json").write_text('{"note": "kept with the model"}\n')
+    _hf_directory(tmp_path / "hf")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "base" / "config.toml")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    _no_loading(monkeypatch)
+    assert main(["eval-math", str(tmp_path / model), "--dataset", "arith", "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {tmp_path / out} would overwrite" in err and "\n" not in err
+    assert "a file of the model" in err and "give a file name outside the model's directory" in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_eval_math_out_may_replace_its_own_results_in_the_model_directory(tiny_policy, tmp_path, capsys):
+    tiny_policy.save(tmp_path / "base")
+    out = tmp_path / "base" / "eval.jsonl"
+    args = ["eval-math", str(tmp_path / "base"), "--dataset", "arith", "--limit", "2", "--max-new-tokens", "2",
+            "--device", "cpu"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, "--out", str(out)]) == 0  # an earlier eval-math output
+    assert main([*args, "--out", str(out.with_suffix(".summary.json"))]) == 0  # its summary too
+    assert json.loads(out.read_text().splitlines()[0])["index"] == 0
+    capsys.readouterr()
+
+
+def test_eval_math_refuses_an_out_whose_summary_is_a_directory(tmp_path, capsys, monkeypatch):
+    # Evaluated everything, wrote the results, then failed with IsADirectoryError on the summary.
+    _no_loading(monkeypatch)
+    (tmp_path / "r.summary.json").mkdir()
+    assert main(["eval-math", str(tmp_path / "base"), "--dataset", "arith", "--out", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"its summary {tmp_path / 'r.summary.json'} is a directory" in err and "\n" not in err
+    assert not (tmp_path / "r.jsonl").exists()

@@ -71,18 +71,21 @@ class OptimConfig:
 
     lr: float = 1e-5
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # updates over which the rate rises linearly to lr (shorter than the run)
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
-    eps: float = 1e-8
+    eps: float = 1e-8  # AdamW's denominator epsilon (> 0)
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
         _check_finite("optim", self)
-        for name in ("lr", "weight_decay", "eps", "max_grad_norm"):
+        for name in ("lr", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
+        # AdamW's m / (sqrt(v) + eps) is 0 / 0 for a weight whose gradients were all 0 (the
+        # embedding of a token no batch holds): NaN weights, saved as the trained policy.
+        _check_positive("optim", eps=self.eps)
         _check_at_least("optim", 0, warmup_steps=self.warmup_steps)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -125,7 +128,7 @@ class SFTConfig:
 class SamplingConfig:
     """Decoding of rollouts and evaluations."""
 
-    temperature: float = 1.0  # rollouts; evaluation is greedy
+    temperature: float = 1.0  # rollouts (> 0 when a group has several responses); evaluation is greedy
     top_p: float = 1.0
     max_new_tokens: int = 512
     batch_size: int = 64  # prompts per generator call
@@ -200,6 +203,10 @@ class GRPOConfig:
         for name in ("advantage_eps", "normalize_constant", "cliprange", "max_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"grpo.{name} must be >= 0, got {getattr(self, name)}")
+        if self.normalize_by_std and self.advantage_eps == 0 and self.loss_type != "no_baseline":
+            # A group whose rewards are all equal has std 0: its advantages were 0 / 0, NaN loss and weights.
+            raise ValueError("grpo.advantage_eps must be > 0 with grpo.normalize_by_std = true (a group of equal "
+                             "rewards divides 0 by its std of 0), got 0")
         if self.rollout_batch_size % self.group_size:
             raise ValueError("grpo.rollout_batch_size must be a multiple of grpo.group_size")
         if self.rollout_batch_size % self.train_batch_size:
@@ -265,10 +272,15 @@ class RunConfig:
             raise ValueError(f"run.seed must be in [0, 2**32), got {self.seed}")
 
 
-def _check_rollout_tokens(sampling: SamplingConfig) -> None:
-    """Rollouts of no tokens earn no reward and give no gradient: the run would change nothing."""
+def _check_rollouts(sampling: SamplingConfig, group_size: int, section: str) -> None:
+    """Rollouts of no tokens earn no reward and give no gradient: the run would change nothing.
+    Greedy rollouts (temperature 0) make the `group_size` responses to a question one and the
+    same: GRPO's advantages are all 0, expert iteration keeps one of each group."""
     if sampling.max_new_tokens < 1:
         raise ValueError(f"sampling.max_new_tokens must be >= 1 for rollouts, got {sampling.max_new_tokens}")
+    if sampling.temperature == 0 and group_size > 1:
+        raise ValueError(f"sampling.temperature must be > 0 for rollouts of {section}.group_size={group_size} "
+                         "responses to a question (0 is greedy: every response of a group would be the same)")
 
 
 @dataclass
@@ -296,7 +308,7 @@ class ExpertIterationRunConfig(SFTRunConfig):
     ei: ExpertIterationConfig = field(default_factory=ExpertIterationConfig)
 
     def __post_init__(self) -> None:
-        _check_rollout_tokens(self.sampling)
+        _check_rollouts(self.sampling, self.ei.group_size, "ei")
 
 
 @dataclass
@@ -306,7 +318,7 @@ class GRPORunConfig(AlignRunConfig):
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
-        _check_rollout_tokens(self.sampling)
+        _check_rollouts(self.sampling, self.grpo.group_size, "grpo")
 
 
 @dataclass

@@ -23,7 +23,6 @@ log-probability; with held-out pairs, the same on them every `eval_every` steps.
 from __future__ import annotations
 
 import copy
-import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -39,12 +38,15 @@ from scratchlm.align.preferences import PreferencePair
 from scratchlm.align.sft import (
     ContextFit,
     LogFn,
+    LongWarmup,
     ReportFn,
     _bar,
+    fit_warmup,
     learning_rate,
     make_optimizer,
     optimizer_step,
     recorder,
+    schedule_length,
 )
 from scratchlm.errors import UserError
 
@@ -189,6 +191,7 @@ def dpo_train(
     log: LogFn | None = None,
     progress: bool = False,
     report: ReportFn | None = None,
+    long_warmup: LongWarmup = "refuse",
 ) -> list[dict[str, Any]]:
     """Train `policy.model` with DPO on preference pairs; returns one metrics dict per step.
 
@@ -198,7 +201,8 @@ def dpo_train(
     given, runs every `dpo.save_every` steps (the caller saves the final policy). The step-1 row
     also counts the training and held-out pairs and those left out or cut short to fit the
     context (`ContextFit.metrics`); `report`, when given, gets one line on the latter before
-    training starts, if there are any.
+    training starts, if there are any. A warm-up not shorter than the run is handled as
+    `long_warmup` says (`sft.fit_warmup`), before the reference is copied.
     """
     model = policy.model
     data, fit = fit_preference_pairs(policy, pairs)
@@ -208,9 +212,10 @@ def dpo_train(
     notes = [note for note in (fit.describe("training pairs"), eval_fit.describe("held-out pairs")) if note]
     if report is not None and notes:
         report("dpo: " + "; ".join(notes))
-    reference = frozen_copy(model) if reference is None else reference
     batch = dpo.micro_batch_size * dpo.grad_accum_steps
-    total = dpo.max_steps or max(1, math.ceil(dpo.num_epochs * len(data) / batch))
+    total, source = schedule_length(dpo.max_steps, dpo.num_epochs, len(data), batch, section="dpo")
+    optim = fit_warmup(optim, total, source, long_warmup=long_warmup)
+    reference = frozen_copy(model) if reference is None else reference
     microbatches = _shuffled_microbatches(len(data), dpo.micro_batch_size, seed)
     optimizer = make_optimizer(model, optim)
     history: list[dict[str, Any]] = []

@@ -19,7 +19,7 @@ from scratchlm.align.datasets import MathExample
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
-from scratchlm.align.sft import LogFn, eval_metrics, recorder, sft_train
+from scratchlm.align.sft import LogFn, LongWarmup, eval_metrics, fit_warmup, recorder, schedule_length, sft_train
 from scratchlm.errors import UserError
 
 
@@ -47,6 +47,19 @@ def check_train_examples(train_examples: Sequence[MathExample], ei: ExpertIterat
                         f"the training set has {len(train_examples)}; lower ei.questions_per_step or add examples")
 
 
+def round_updates(ei: ExpertIterationConfig, sft: SFTConfig) -> tuple[int, str] | None:
+    """The most optimizer updates one EI step's SFT can take (every response kept), and where
+    that number comes from; None for packed SFT, whose windows are only counted once the kept
+    responses are encoded."""
+    if sft.packed:
+        return None
+    responses = ei.questions_per_step * ei.group_size
+    total, _ = schedule_length(0, ei.sft_epochs, responses, sft.micro_batch_size * sft.grad_accum_steps, section="ei")
+    return total, (f"that the SFT of an expert-iteration step takes at most (ei.sft_epochs={ei.sft_epochs:g} over "
+                   f"ei.questions_per_step x ei.group_size = {responses} responses, "
+                   f"{sft.micro_batch_size * sft.grad_accum_steps} a step)")
+
+
 def expert_iteration(
     policy: Any,
     train_examples: Sequence[MathExample],
@@ -61,13 +74,20 @@ def expert_iteration(
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
+    long_warmup: LongWarmup = "refuse",
 ) -> list[dict[str, Any]]:
     """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
 
     `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
+    Each step's SFT starts a fresh schedule (warm-up included) over that step's updates, which
+    depend on how many responses it keeps; a warm-up not shorter than the most a step can take
+    (`round_updates`) is handled as `long_warmup` says (`sft.fit_warmup`).
     """
     check_train_examples(train_examples, ei)
     reward_fn = get_reward_fn(reward_fn)
+    bound = round_updates(ei, sft)
+    if bound is not None:
+        optim = fit_warmup(optim, *bound, long_warmup=long_warmup)
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
     record = recorder(history, log)
@@ -88,7 +108,7 @@ def expert_iteration(
         kept = filter_rewarded(prompts, responses, rewards)
         step_sft = SFTConfig(**{**vars(sft), "num_epochs": ei.sft_epochs, "max_steps": 0})
         sft_history = sft_train(policy, kept, sft=step_sft, optim=optim, seed=rng.randrange(2**31),
-                                step_offset=sft_steps, progress=progress)
+                                step_offset=sft_steps, progress=progress, long_warmup="keep")
         sft_steps += len(sft_history)
         generated = sum(c.num_tokens for c in completions)
         row = {

@@ -54,7 +54,7 @@ from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
-    LogFn, _bar, eval_metrics, learning_rate, make_optimizer, optimizer_step, recorder,
+    LogFn, LongWarmup, _bar, eval_metrics, fit_warmup, learning_rate, make_optimizer, optimizer_step, recorder,
 )
 from scratchlm.errors import UserError
 
@@ -309,6 +309,12 @@ def check_train_examples(train_examples: Sequence[MathExample], grpo: GRPOConfig
                         f"the training set has {len(train_examples)}; lower grpo.rollout_batch_size or add examples")
 
 
+def grpo_updates(grpo: GRPOConfig) -> tuple[int, str]:
+    """Optimizer updates of a run of `grpo.n_grpo_steps` steps, and where that number comes from."""
+    per_step = grpo.epochs_per_rollout_batch * (grpo.rollout_batch_size // grpo.train_batch_size)
+    return grpo.n_grpo_steps * per_step, f"of this run (grpo.n_grpo_steps={grpo.n_grpo_steps} x {per_step} a step)"
+
+
 def sample_rollouts(
     policy: Any,
     train_examples: Sequence[MathExample],
@@ -449,20 +455,23 @@ def grpo_train(
     seed: int = 0,
     log: LogFn | None = None,
     progress: bool = False,
+    long_warmup: LongWarmup = "refuse",
 ) -> list[dict[str, Any]]:
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
 
     `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
-    its dict is merged into that step's metrics under ``eval_*`` keys.
+    its dict is merged into that step's metrics under ``eval_*`` keys. A warm-up not shorter
+    than the run's updates is handled as `long_warmup` says (`sft.fit_warmup`), except in a
+    time-limited run, whose length is not known in advance.
     """
     check_train_examples(train_examples, grpo)
     reward_fn = get_reward_fn(reward_fn)
+    total_updates, source = grpo_updates(grpo)
+    optim = fit_warmup(optim, total_updates, source, long_warmup="keep" if grpo.max_seconds else long_warmup)
     rng = random.Random(seed)
     optimizer = make_optimizer(policy.model, optim)
-    steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
-    total_updates = grpo.n_grpo_steps * grpo.epochs_per_rollout_batch * steps_per_batch
     normalize_constant = grpo.normalize_constant or float(sampling.max_new_tokens)
     history: list[dict[str, Any]] = []
     record = recorder(history, log)

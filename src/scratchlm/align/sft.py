@@ -16,10 +16,12 @@ windows. The last partial window is padded (its padding carries no loss), so no 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -64,12 +66,63 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opti
 
 
 def learning_rate(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Cosine schedule with warm-up, from cfg.lr down to cfg.lr * cfg.min_lr_ratio at the last step."""
+    """The rate of update `step` (0-based) of `total_steps`: a linear warm-up over
+    cfg.warmup_steps updates, then a cosine from cfg.lr down to cfg.lr * cfg.min_lr_ratio at the
+    last update.
+
+    The warm-up counts the update being taken, so its first update already moves the weights
+    (the k-th of them at cfg.lr * k / warmup_steps; `cosine_lr` alone would give the first 0,
+    all of a 1-step run). Example with lr 1, warmup 2 over 5 updates, min_lr_ratio 0:
+    [0.5, 1.0, 1.0, 0.5, 0.0].
+    """
     from scratchlm.optim.schedule import cosine_lr
 
-    if total_steps <= 1 and cfg.warmup_steps == 0:
-        return cfg.lr
-    return cosine_lr(step, cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps, max(total_steps - 1, 1))
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cosine_lr(step, cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps, max(total_steps - 1, cfg.warmup_steps))
+
+
+def schedule_length(max_steps: int, num_epochs: float, items: int, per_step: int,
+                    *, section: str, what: str = "pairs") -> tuple[int, str]:
+    """Optimizer updates of an SFT or DPO run, and where that number comes from (`fit_warmup`'s
+    `source`): `max_steps` when set, else `num_epochs` passes over `items` at `per_step` a step
+    (at least 1).
+
+    >>> schedule_length(0, 1.0, 10, 4, section="sft")
+    (3, 'of this run (1 epoch(s) of 10 pairs, 4 a step)')
+    """
+    if max_steps:
+        return max_steps, f"of this run ({section}.max_steps={max_steps})"
+    return (max(1, math.ceil(num_epochs * items / per_step)),
+            f"of this run ({num_epochs:g} epoch(s) of {items} {what}, {per_step} a step)")
+
+
+LongWarmup = Literal["refuse", "shorten", "keep"]
+
+
+def fit_warmup(optim: OptimConfig, total_steps: int, source: str, *, long_warmup: LongWarmup = "refuse") -> OptimConfig:
+    """`optim` for a run of `total_steps` optimizer updates, its warm-up checked to end before the run does.
+
+    A warm-up of `total_steps` updates or more makes the whole run a warm-up, at a fraction of
+    optim.lr (a 1-step run with a 5-step warm-up updates at lr / 5, and learnt nothing when the
+    warm-up started from 0). By `long_warmup`, such a warm-up is: ``"refuse"``d, a UserError
+    naming both numbers and optim.warmup_steps (for a warm-up the user chose); ``"shorten"``ed to
+    a tenth of the run, with a logged warning (for a preset's, which the user did not choose); or
+    kept as it is (``"keep"``: the run's length was not known in advance). `source` says where
+    `total_steps` comes from, after the number, such as ``"of this run (sft.max_steps=1)"``.
+    """
+    warmup = optim.warmup_steps
+    if long_warmup == "keep" or warmup == 0 or warmup < total_steps or total_steps == 0:
+        return optim
+    updates = f"the {total_steps} optimizer update{'s' if total_steps != 1 else ''} {source}"
+    if long_warmup == "refuse":
+        raise UserError(f"optim.warmup_steps={warmup} is not shorter than {updates}: the whole run would be "
+                        f"warm-up, at a fraction of optim.lr; set optim.warmup_steps below {total_steps} (0 for none)")
+    shortened = total_steps // 10
+    logging.getLogger("scratchlm.align").warning(
+        "warning: the default optim.warmup_steps=%d (the preset's) is not shorter than %s; warming up over %d instead "
+        "(set --optim.warmup_steps to choose)", warmup, updates, shortened)
+    return dataclasses.replace(optim, warmup_steps=shortened)
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float) -> float:
@@ -208,12 +261,14 @@ def sft_train(
     progress: bool = False,
     report: ReportFn | None = None,
     evaluate: EvaluateFn | None = None,
+    long_warmup: LongWarmup = "refuse",
 ) -> list[dict[str, Any]]:
     """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step.
 
     The first step's row also counts the pairs and those left out or cut short to fit the
     context (`ContextFit.metrics`); `report`, when given, gets one line on the latter once the
-    pairs are encoded, if there are any. (Packed windows leave out and cut nothing.) Then
+    pairs are encoded, if there are any. (Packed windows leave out and cut nothing.) A warm-up
+    not shorter than the run is then handled as `long_warmup` says (`fit_warmup`). Then
     `evaluate`, when given, runs on the starting policy: its results go to `log` as the
     ``eval_*`` keys of a row for step `step_offset`, which the returned history leaves out.
     """
@@ -233,12 +288,13 @@ def sft_train(
     note = fit.describe()
     if report is not None and note:
         report(f"sft: {note}")
+    total, source = schedule_length(sft.max_steps, sft.num_epochs, items, sft.micro_batch_size * sft.grad_accum_steps,
+                                    section="sft", what="packed windows" if sft.packed else "pairs")
+    optim = fit_warmup(optim, total, source, long_warmup=long_warmup)
     if evaluate is not None:
         start = {"phase": "sft", "step": step_offset, **eval_metrics(evaluate, step_offset)}
         if log is not None:
             log(start)
-    batch = sft.micro_batch_size * sft.grad_accum_steps
-    total = sft.max_steps or max(1, math.ceil(sft.num_epochs * items / batch))
     optimizer = make_optimizer(model, optim)
     normalize_constant = sft.normalize_constant or None
     history = []

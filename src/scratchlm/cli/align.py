@@ -54,7 +54,22 @@ def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str
     parser.add_argument("config", nargs="?", default=default_preset,
                         help=f"TOML preset (path or name in configs/; default {default_preset})")
     args = parser.parse_args(positional)
-    return load_config(config_cls, args.config, overrides)
+    return load_config(config_cls, args.config, overrides), _long_warmup(args.config, default_preset, overrides)
+
+
+def _long_warmup(preset: str, default_preset: str, overrides: Sequence[str]) -> str:
+    """How the training loop takes a warm-up not shorter than the run (`align.sft.fit_warmup`):
+    one the user chose, with --optim.warmup_steps or in a config file of their own, is refused;
+    the command's default preset's is shortened, with a warning."""
+    from scratchlm.config import ConfigError, parse_override, resolve_preset
+
+    if any(parse_override(text)[0] == ["optim", "warmup_steps"] for text in overrides):
+        return "refuse"
+    try:
+        default = resolve_preset(preset).resolve() == resolve_preset(default_preset).resolve()
+    except (ConfigError, OSError):
+        default = False
+    return "shorten" if default else "refuse"
 
 
 def _require_policy_path(cfg: Any) -> None:
@@ -185,19 +200,27 @@ def sft_pairs(examples: Sequence[Any], template: Any) -> list[tuple[str, str]]:
 def sft_command(argv: list[str]) -> int:
     """``scratchlm sft [config] [--section.key=value ...]``: SFT on worked solutions."""
     from scratchlm.align.config import SFTRunConfig
-    from scratchlm.align.sft import sft_train
+    from scratchlm.align.sft import fit_warmup, schedule_length, sft_train
 
-    cfg = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
+    cfg, long_warmup = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
     template, _, train, evals = _inputs(cfg)
     pairs = sft_pairs(train, template)
     if not pairs:
         raise UserError(f"dataset {cfg.data.dataset!r} has no worked solutions to fine-tune on")
+    if cfg.sft.max_steps or not cfg.sft.packed:
+        # Checked now, before anything is written, on the pairs' count: pairs too long for the
+        # context (left out) or packed windows (counted once encoded) only shorten the run,
+        # and sft_train checks it again on the count it trains on.
+        sft = cfg.sft
+        cfg.optim = fit_warmup(cfg.optim, *schedule_length(sft.max_steps, sft.num_epochs, len(pairs),
+                                                           sft.micro_batch_size * sft.grad_accum_steps, section="sft"),
+                               long_warmup=long_warmup)
     # Training pairs too long are left out or cut (sft_train reports them); evaluation prompts must fit.
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals))
     metrics = MetricsWriter(out_dir)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
-                        progress=cfg.run.progress, report=print, evaluate=evaluate)
+                        progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup)
     metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
     policy.save(out_dir / "policy", step=len(history))
     return 0
@@ -206,18 +229,22 @@ def sft_command(argv: list[str]) -> int:
 def expert_iteration_command(argv: list[str]) -> int:
     """``scratchlm expert-iteration [config] [--section.key=value ...]``."""
     from scratchlm.align.config import ExpertIterationRunConfig
-    from scratchlm.align.expert_iteration import check_train_examples, expert_iteration
+    from scratchlm.align.expert_iteration import check_train_examples, expert_iteration, round_updates
+    from scratchlm.align.sft import fit_warmup
 
-    cfg = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
-                 "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
+    cfg, long_warmup = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
+                              "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
     template, reward_fn, train, evals = _inputs(cfg)
     check_train_examples(train, cfg.ei)
+    bound = round_updates(cfg.ei, cfg.sft)
+    if bound is not None:  # (checked before anything is written)
+        cfg.optim = fit_warmup(cfg.optim, *bound, long_warmup=long_warmup)
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
     history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
                                ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
                                evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
-                               log=metrics, progress=cfg.run.progress)
+                               log=metrics, progress=cfg.run.progress, long_warmup=long_warmup)
     policy.save(out_dir / "policy", step=len(history))
     return 0
 
@@ -225,17 +252,20 @@ def expert_iteration_command(argv: list[str]) -> int:
 def grpo_command(argv: list[str]) -> int:
     """``scratchlm grpo [config] [--section.key=value ...]``."""
     from scratchlm.align.config import GRPORunConfig
-    from scratchlm.align.grpo import check_train_examples, grpo_train
+    from scratchlm.align.grpo import check_train_examples, grpo_train, grpo_updates
+    from scratchlm.align.sft import fit_warmup
 
-    cfg = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
+    cfg, long_warmup = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
     template, reward_fn, train, evals = _inputs(cfg)
     check_train_examples(train, cfg.grpo)
+    if not cfg.grpo.max_seconds:  # a time-limited run's length is not known in advance
+        cfg.optim = fit_warmup(cfg.optim, *grpo_updates(cfg.grpo), long_warmup=long_warmup)
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
     history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
                          grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
                          evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
-                         log=metrics, progress=cfg.run.progress)
+                         log=metrics, progress=cfg.run.progress, long_warmup=long_warmup)
     policy.save(out_dir / "policy", step=len(history))
     return 0
 
@@ -265,15 +295,21 @@ def dpo_command(argv: list[str]) -> int:
     """``scratchlm dpo [config] [--section.key=value ...]``: DPO on preference pairs."""
     from scratchlm.align.config import DPORunConfig
     from scratchlm.align.dpo import dpo_train
+    from scratchlm.align.sft import fit_warmup, schedule_length
 
-    cfg = _parse("dpo", argv, DPORunConfig, "dpo", "Direct preference optimisation on preference pairs.")
+    cfg, long_warmup = _parse("dpo", argv, DPORunConfig, "dpo", "Direct preference optimisation on preference pairs.")
     _require_policy_path(cfg)
     train, held_out = preference_pairs(cfg)  # read before anything is written, so bad data fails first
+    # Checked now on the pairs' count (pairs too long for the context only shorten the run; dpo_train checks again).
+    dpo = cfg.dpo
+    cfg.optim = fit_warmup(cfg.optim, *schedule_length(dpo.max_steps, dpo.num_epochs, len(train),
+                                                       dpo.micro_batch_size * dpo.grad_accum_steps, section="dpo"),
+                           long_warmup=long_warmup)
     policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
     history = dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
                         save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
-                        log=metrics, progress=cfg.run.progress, report=print)
+                        log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup)
     policy.save(out_dir / "policy", step=history[-1]["step"])
     return 0
 
@@ -294,6 +330,52 @@ def _examples_with_room(policy: Any, examples: list, template: Any, *, skip: boo
                         f"{ctx} tokens (the longest has {max(lengths)}); pass --skip-long to grade the "
                         f"{len(fit)} that fit")
     return fit, skipped
+
+
+SUMMARY_SUFFIX = ".summary.json"  # eval-math's summary, beside its --out
+_RECORD_KEYS = {"index", "question", "ground_truth", "prompt", "response"}  # of every eval-math results line
+_SUMMARY_KEYS = {"model", "dataset", "split", "template", "reward"}
+
+
+def _check_out_spares_models(out: Path, model: str) -> None:
+    """UserError when --out, or the summary written beside it, would replace a file of a model: an
+    existing file inside the evaluated MODEL (a directory, or the checkpoint file itself), or
+    inside any scratchlm run or step directory (config.toml, metrics.jsonl, checkpoints/,
+    tokenizer/ ...). An earlier eval-math output there may be replaced."""
+    model_path = resolve_path(Path(model), f"model {model}")
+    for path, what in ((out, ""), (out.with_suffix(SUMMARY_SUFFIX), "its summary ")):
+        target = resolve_path(path, f"--out {out}")
+        if not target.is_file():
+            continue
+        if target == model_path or model_path in target.parents:
+            where = f"a file of the model {model}"
+        else:
+            home = next((d for d in target.parents
+                         if (d / "checkpoints").is_dir() or (d / "model.safetensors").is_file()), None)
+            if home is None:
+                continue
+            where = f"a file of the model in {home}"
+        if not _is_eval_math_output(target):
+            raise UserError(f"--out {out} would overwrite {what}{target}, {where} (not an earlier eval-math output); "
+                            "give a file name outside the model's directory")
+
+
+def _is_eval_math_output(path: Path, limit: int = 1 << 20) -> bool:
+    """Whether `path` is the results JSONL (its first line a record) or the summary of an earlier
+    eval-math; at most `limit` bytes are read."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(limit)
+    except OSError:
+        return False
+    for text, keys in ((head.split(b"\n", 1)[0], _RECORD_KEYS), (head, _SUMMARY_KEYS)):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and keys <= data.keys():
+            return True
+    return False
 
 
 def eval_math_command(argv: list[str]) -> int:
@@ -344,6 +426,10 @@ def eval_math_command(argv: list[str]) -> int:
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'results.jsonl'}")
         if resolve_path(out, f"--out {out}") == resolve_path(Path(args.dataset), f"--dataset {args.dataset}"):
             raise UserError(f"--out {out} would overwrite the --dataset file; give another file name")
+        if out.with_suffix(SUMMARY_SUFFIX).is_dir():  # (found only when writing it, after the evaluation)
+            raise UserError(f"--out {out}: its summary {out.with_suffix(SUMMARY_SUFFIX)} is a directory; "
+                            "give another file name")
+        _check_out_spares_models(out, args.model)
         check_writable_dir(out.parent, f"--out {out}")  # (also refuses a file where a folder should be)
         out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -372,7 +458,7 @@ def eval_math_command(argv: list[str]) -> int:
     print(format_summary(summary, title=f"{args.dataset}/{args.split} ({args.template})"))
     if args.out:
         write_jsonl(records, args.out)
-        summary_path = Path(args.out).with_suffix(".summary.json")
+        summary_path = Path(args.out).with_suffix(SUMMARY_SUFFIX)
         write_text_atomic(summary_path, json.dumps({"model": str(args.model), "dataset": args.dataset,
                                                     "split": args.split, "template": args.template,
                                                     "reward": args.reward or "(template's own)", **summary},
