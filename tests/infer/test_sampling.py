@@ -85,3 +85,12 @@ def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
                       generator=torch.Generator().manual_seed(0))
     assert torch.equal(out, logits.argmax(-1))
     assert torch.equal(sample_next(logits, temperature=temperature), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("p", [1e-46, 1e-300])
+def test_a_tiny_top_p_keeps_the_most_likely_token(p):
+    # p became 0 in float32, every token was removed and the draw from NaN probabilities gave id 0.
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50) * 4
+    assert torch.equal(torch.isinf(top_p_filter(logits, p)), logits != logits.amax(-1, keepdim=True))
+    assert torch.equal(sample_next(logits, top_p=p, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))

@@ -48,6 +48,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     probs = softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False  # (a p below float32's range is 0 there, which every mass reaches)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
