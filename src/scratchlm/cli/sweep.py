@@ -17,7 +17,8 @@ def sweep_command(argv: list[str]) -> int:
         prog="scratchlm sweep",
         description="Train one run per point of the cartesian product of the --grid values, one after "
                     "another, each in OUT/<key=value__...>; skip points that finished and resume unfinished "
-                    "ones, so rerunning the same command continues a killed sweep. Writes summary.jsonl, "
+                    "ones, so rerunning the same command continues a killed or interrupted sweep (Ctrl-C or "
+                    "SIGTERM checkpoints the point in training and stops the sweep). Writes summary.jsonl, "
                     "summary.md and sweep.png to OUT. Other --section.key=value overrides apply to every point.")
     parser.add_argument("config", nargs="?", help="TOML config or preset name (default: built-in defaults)")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",

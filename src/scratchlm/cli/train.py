@@ -18,7 +18,9 @@ def train_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="scratchlm train",
         description="Train a Transformer LM. CONFIG is a TOML file or a preset name from configs/; "
-                    "any field can be overridden as --section.key=value (e.g. --optim.lr=3e-4).")
+                    "any field can be overridden as --section.key=value (e.g. --optim.lr=3e-4). Ctrl-C or "
+                    "SIGTERM finishes the step in progress, checkpoints it and exits (130 / 143); --resume "
+                    "continues from there.")
     parser.add_argument("config", nargs="?", help="TOML config or preset name (default: built-in defaults)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue RUN/checkpoints/latest of trainer.out_dir")

@@ -12,7 +12,9 @@ the first one starts, so a typo in the grid costs nothing. A sweep is resumable:
 run finished (its metrics.jsonl holds an "end" record) is skipped, an unfinished one resumes
 from its newest checkpoint, so a killed sweep re-run with the same command continues where it
 stopped. A point that fails with a user-facing error (typically a learning rate that makes the
-loss diverge) or runs out of memory is reported in the summary and the sweep goes on.
+loss diverge) or runs out of memory is reported in the summary and the sweep goes on. Ctrl-C or
+SIGTERM stops the whole sweep, not just the point: the point checkpoints the step it was on (see
+`scratchlm.train.interrupt`) and stays unfinished, so the re-run resumes it.
 
 The summary (``summary.jsonl``, ``summary.md``) is read back from each run's metrics.jsonl, so
 it is the same whether the points ran now or in an earlier call; ``sweep.png`` plots the final
@@ -39,6 +41,7 @@ from scratchlm.config import config_to_toml, load_config, parse_override
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
 from scratchlm.train.config import TrainConfig
+from scratchlm.train.interrupt import TrainingInterrupted, signal_name
 
 log = logging.getLogger("scratchlm.train")
 
@@ -253,6 +256,13 @@ def run_sweep(points: Sequence[SweepPoint], out: str | Path, *,
         start = time.perf_counter()
         try:
             _train_point(point, resume=status == "unfinished")
+        except TrainingInterrupted as exc:
+            # Not a failure, and the sweep stops here: the point's run has no "end" record, so
+            # rerunning the sweep resumes it from the checkpoint written when it stopped.
+            saved = f"at step {exc.step} (checkpoint saved)" if exc.checkpoint else "before its checkpoint was written"
+            raise TrainingInterrupted(f"interrupted by {signal_name(exc.signum)} in {label} {saved}; rerun the "
+                                      "same command to continue the sweep", signum=exc.signum, step=exc.step,
+                                      checkpoint=exc.checkpoint) from None
         except UserError as exc:
             errors[point.name] = str(exc)
         except Exception as exc:  # out of memory: the next (smaller) point may still fit

@@ -17,6 +17,12 @@ never costs the newest checkpoint. A NaN or infinite training loss or gradient n
 with a one-line error when it is logged or before a checkpoint is written, so `latest` stays the
 last checkpoint with finite weights.
 
+Ctrl-C (SIGINT) or SIGTERM during the loop is noted, not acted on at once
+(`scratchlm.train.interrupt`): the optimizer step in progress finishes and is checkpointed, then
+`fit` raises `TrainingInterrupted` naming the checkpoint, so `--resume` continues exactly as after
+any checkpoint; the evaluation due at that step runs when the run resumes. In parallel runs the
+ranks agree after each step on whether to stop, so they all stop at the same one.
+
 The training clock (``elapsed_s`` in every train and eval record) runs from the first step of
 `fit`, compilation and warm-up included, and stops during evaluations and checkpoint writes
 (after waiting for the GPU's queued work), so evaluating more often does not change how much a
@@ -61,10 +67,12 @@ import logging
 import math
 import os
 import random
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -81,6 +89,7 @@ from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
 from scratchlm.train.config import TrainConfig
 from scratchlm.train.data_feed import TrainData, evaluation_totals
+from scratchlm.train.interrupt import StopSignals, TrainingInterrupted, signal_name, stop_signals
 from scratchlm.train.metrics import (
     MetricsLogger, NullLogger, Throughput, format_line, memory_gb, open_loggers, perplexity,
     read_metrics, train_flops_per_token, truncate_metrics,
@@ -282,7 +291,9 @@ class Trainer:
 
         `until` stops early at that step (checkpointing there, to resume later). `deadline`
         (a `time.monotonic()` value) is a time budget: once past it the run checkpoints,
-        evaluates and finishes (plots, samples) at the step it reached.
+        evaluates and finishes (plots, samples) at the step it reached. On SIGINT or SIGTERM
+        (see `scratchlm.train.interrupt`) it finishes the optimizer step in progress, checkpoints
+        it and raises `TrainingInterrupted`; a second signal raises at once.
         """
         tc = self.cfg.trainer
         if self.finished:
@@ -305,29 +316,58 @@ class Trainer:
             return last
         bar = self._progress_bar(stop)
         out_of_time = False
+        stop_signal: int | None = None  # SIGINT or SIGTERM received: checkpoint this step and stop
+        saved: Path | None = None
         self._start_clock()
         try:
-            while self.step < stop and not out_of_time:
-                self._train_step()
-                bar.update(1)
-                out_of_time = ((deadline is not None and time.monotonic() > deadline) or self._budget_spent()) \
-                    and self.step < stop
-                if self.step % tc.log_interval == 0 or self.step == tc.max_steps or out_of_time:
-                    last["train"] = self._log_train()
-                    bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
-                at_end = self.step == stop or out_of_time
-                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
-                    self.save_checkpoint()
-                if self._eval_due(self.step) or (out_of_time and self.data.has_validation):
-                    last["eval"] = self._evaluate(final=out_of_time or self.step == tc.max_steps)
+            with stop_signals(announce=self.is_main) as signals:
+                while self.step < stop and not out_of_time:
+                    self._train_step()
+                    bar.update(1)
+                    stop_signal = self._agreed_stop_signal(signals)
+                    out_of_time = ((deadline is not None and time.monotonic() > deadline) or self._budget_spent()) \
+                        and self.step < stop
+                    if self.step % tc.log_interval == 0 or self.step == tc.max_steps or out_of_time:
+                        last["train"] = self._log_train()
+                        bar.set_postfix(loss=f"{last['train']['loss']:.3f}")
+                    # An interrupted step logs only as usual: its checkpoint carries the loss window, so
+                    # the resumed run logs what an uninterrupted one would.
+                    at_end = self.step == stop or out_of_time or stop_signal is not None
+                    if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or at_end:
+                        saved = self.save_checkpoint()
+                    if stop_signal is not None:
+                        break  # no evaluation: a resumed run runs the one that is due
+                    if self._eval_due(self.step) or (out_of_time and self.data.has_validation):
+                        last["eval"] = self._evaluate(final=out_of_time or self.step == tc.max_steps)
         finally:
             bar.close()
             self._stop_clock()
+        if stop_signal is not None:
+            self._stop_interrupted(stop_signal, saved)  # raises TrainingInterrupted
         if out_of_time:
             log.info("time budget reached at step %d of %d (%.1f s)", self.step, tc.max_steps, self._elapsed)
         if (self.step == tc.max_steps and until is None) or out_of_time:
             self._finish()
         return last
+
+    def _agreed_stop_signal(self, signals: StopSignals) -> int | None:
+        """The signal to stop on after this step, if any. Ranks receive a signal at different
+        moments, so in parallel runs they agree on it (one small all-reduce a step) and all stop at
+        the same step to write the checkpoint together, instead of some waiting forever in a
+        collective the others never reach. A single process only reads the note."""
+        if self.world_size == 1:
+            return signals.signum
+        sigint, sigterm = self.strategy.all_reduce_means([float(signals.signum == signal.SIGINT),
+                                                          float(signals.signum == signal.SIGTERM)])
+        return signal.SIGTERM if sigterm else signal.SIGINT if sigint else None
+
+    def _stop_interrupted(self, signum: int, checkpoint: Path | None) -> NoReturn:
+        resume = f"scratchlm train {shlex.quote(str(self.run_dir / 'config.toml'))} --resume"
+        log.info("stopped by %s at step %d; checkpoint %s; resume with: %s",
+                 signal_name(signum), self.step, checkpoint, resume)
+        raise TrainingInterrupted(f"interrupted by {signal_name(signum)} at step {self.step}; checkpoint saved to "
+                                  f"{checkpoint}, resume with: {resume}",
+                                  signum=signum, step=self.step, checkpoint=checkpoint)
 
     # ------------------------------------------------------------------ the training clock
 
