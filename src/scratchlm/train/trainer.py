@@ -21,7 +21,7 @@ Ctrl-C (SIGINT) or SIGTERM during the loop is noted, not acted on at once
 (`scratchlm.train.interrupt`): the optimizer step in progress finishes and is checkpointed, then
 `fit` raises `TrainingInterrupted` naming the checkpoint, so `--resume` continues exactly as after
 any checkpoint; the evaluation due at that step runs when the run resumes. In parallel runs the
-ranks agree after each step on whether to stop, so they all stop at the same one.
+ranks agree at each logging step on whether to stop, so they all stop at the same one.
 
 The training clock (``elapsed_s`` in every train and eval record) runs from the first step of
 `fit`, compilation and warm-up included, and stops during evaluations and checkpoint writes
@@ -352,11 +352,15 @@ class Trainer:
 
     def _agreed_stop_signal(self, signals: StopSignals) -> int | None:
         """The signal to stop on after this step, if any. Ranks receive a signal at different
-        moments, so in parallel runs they agree on it (one small all-reduce a step) and all stop at
-        the same step to write the checkpoint together, instead of some waiting forever in a
-        collective the others never reach. A single process only reads the note."""
+        moments, so in parallel runs they agree on it and all stop at the same step to write the
+        checkpoint together, instead of some waiting forever in a collective the others never
+        reach. The agreement is one small all-reduce, which waits for the device: it runs only at
+        logging steps (which wait for the loss anyway), so a signal takes effect within
+        `trainer.log_interval` steps. A single process reads the note after every step."""
         if self.world_size == 1:
             return signals.signum
+        if self.step % self.cfg.trainer.log_interval:
+            return None
         sigint, sigterm = self.strategy.all_reduce_means([float(signals.signum == signal.SIGINT),
                                                           float(signals.signum == signal.SIGTERM)])
         return signal.SIGTERM if sigterm else signal.SIGINT if sigint else None
