@@ -199,3 +199,18 @@ def test_tokenizer_stats_reads_the_whole_sample_when_max_mb_is_huge(corpus, tmp_
     capsys.readouterr()
     assert main(["tokenizer-stats", str(out), str(corpus), "--max-mb", "1e300", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sample_bytes"] == corpus.stat().st_size
+
+
+@pytest.mark.parametrize("name, extra", [("train_bpe.json", []), ("merges.txt", ["--overwrite"])])
+def test_train_bpe_refuses_an_input_it_would_write_over(corpus, tmp_path, capsys, name, extra):
+    # A corpus called train_bpe.json inside --out was replaced by the summary of its own training
+    # (merges.txt, vocab.json ... by the tokenizer, once --overwrite was passed).
+    out = tmp_path / "tok"
+    out.mkdir()
+    text = out / name
+    text.write_bytes(corpus.read_bytes())
+    assert main(["train-bpe", str(text), "--vocab-size", "300", "--out", str(out), "--quiet", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"is the {name} that train-bpe writes in --out" in err and "\n" not in err
+    assert text.read_bytes() == corpus.read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [name]

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 from scratchlm.errors import UserError
-from scratchlm.fileio import check_writable_dir, write_text_atomic
+from scratchlm.fileio import check_writable_dir, resolve_path, write_text_atomic
+
+SUMMARY_FILE = "train_bpe.json"  # what train-bpe writes beside the tokenizer files
 
 
 def _peak_rss_mb() -> tuple[float, float]:
@@ -60,6 +62,11 @@ def train_bpe_command(argv: list[str]) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"{args.out}: exists and is not a directory")
     check_writable_dir(args.out, f"--out {args.out}")  # now, not once the training is done
+    source = resolve_path(args.input, str(args.input))
+    for name in (*TOKENIZER_FILES, SUMMARY_FILE):
+        if resolve_path(args.out / name, f"--out {args.out}") == source:
+            raise UserError(f"{args.input} is the {name} that train-bpe writes in --out {args.out}: it would be "
+                            "overwritten; move the text or choose another --out")
     found = [name for name in TOKENIZER_FILES if (args.out / name).exists()]
     if found and not args.overwrite:
         raise UserError(f"{args.out} already holds a tokenizer: {', '.join(found)} (pass --overwrite to replace it)")
@@ -88,7 +95,7 @@ def train_bpe_command(argv: list[str]) -> int:
         "peak_rss_worker_mb": round(child_mb, 1),
         "tokenizer_hash": tokenizer.hash,
     }
-    write_text_atomic(args.out / "train_bpe.json", json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(args.out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     if len(merges) < args.vocab_size - 256 - len(tokenizer.special_tokens):
         print(f"note: the corpus ran out of pairs after {len(merges):,} merges; "
               f"vocabulary has {tokenizer.vocab_size:,} tokens", file=sys.stderr)
