@@ -39,6 +39,9 @@ SHAPES: dict[str, dict[str, int]] = {
     # d_ff 2048 = 8/3 * 768: the SwiGLU width that keeps GPT-2 small's FFN parameter count.
     "gpt2small": dict(vocab_size=32_000, context_length=1024, d_model=768, num_layers=12, num_heads=12,
                       d_ff=2048, batch=32),
+    # GPT-2 medium's width and depth; d_ff 2816 = 8/3 * 1024 rounded up to a multiple of 128.
+    "gpt2medium": dict(vocab_size=32_000, context_length=1024, d_model=1024, num_layers=24, num_heads=16,
+                       d_ff=2816, batch=16),
     "tinystories": dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16,
                         d_ff=1344, batch=256),
     "longctx": dict(vocab_size=151_936, context_length=32_768, d_model=2560, num_layers=24, num_heads=20,
