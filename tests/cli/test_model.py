@@ -112,3 +112,24 @@ def test_account_command_config_that_is_not_utf8(tmp_path, capsys):
 def test_account_memory_gib_must_be_positive(value):
     with pytest.raises(UserError, match="--memory-gib must be a positive number"):
         account_command(["--memory-gib", value])
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
+    # The export went through: its tokenizer.json gave ids past the 300 rows of the embedding.
+    torch = pytest.importorskip("torch")
+    from scratchlm.cli import main
+    from scratchlm.model.transformer import build_model
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.train.checkpoint import save_checkpoint
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    Tokenizer({**vocab, **{256 + i: bytes([97, i]) for i in range(244)}},
+              [(b"a", bytes([i])) for i in range(244)], ["<|endoftext|>"]).save(tmp_path / "tokenizer")
+    model = build_model(ModelConfig(vocab_size=300, context_length=16, d_model=32, num_layers=1, num_heads=4,
+                                    d_ff=64))
+    save_checkpoint(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, tmp_path / "model.pt")
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "model.pt"), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has 501 tokens, more than the model's vocab_size=300" in err and "\n" not in err
+    assert not out.exists()

@@ -60,6 +60,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
 
 
+def check_tokenizer_fits(tokenizer, vocab_size: int, source: str) -> None:
+    """Refuse the tokenizer found beside `source` when it has more tokens than the model has
+    embedding rows: its ids past vocab_size would index beyond them."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(f"the tokenizer beside {source} has {tokenizer.vocab_size} tokens, more than the "
+                        f"model's vocab_size={vocab_size}: it is not the tokenizer the model was trained with")
+
+
 def _warn_if_context_cuts(prompts: list[list[int]], args: argparse.Namespace, context_length: int) -> None:
     """With the KV cache a sample stops at the context length: say so before generating."""
     longest = max(len(ids) for ids in prompts)
@@ -86,9 +94,7 @@ def generate_command(argv: list[str]) -> int:
     model.to(torch_dtype(dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer/ directory beside it, so text prompts cannot be encoded")
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise UserError(f"the tokenizer beside {args.checkpoint} has {tokenizer.vocab_size} tokens, more than the "
-                        f"model's vocab_size={cfg.vocab_size}: it is not the tokenizer the model was trained with")
+    check_tokenizer_fits(tokenizer, cfg.vocab_size, args.checkpoint)
     eos_id = getattr(tokenizer, "special_token_ids", {}).get(EOT)
     texts = args.prompt if args.prompt is not None else [""]
     prompts = []

@@ -183,8 +183,10 @@ def export_command(argv: list[str]) -> int:
     model, cfg, tokenizer = load_trained_model(source, device="cpu")
     check_exportable(cfg)
     if tokenizer is not None:
+        from scratchlm.cli.infer import check_tokenizer_fits
         from scratchlm.tokenizer.io import hf_unsupported
 
+        check_tokenizer_fits(tokenizer, cfg.vocab_size, args.source)
         why = hf_unsupported(tokenizer)
         if why is not None:
             raise UserError(f"cannot export the tokenizer: {why}")
