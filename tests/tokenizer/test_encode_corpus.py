@@ -286,3 +286,12 @@ def test_refuses_to_replace_a_file_that_is_not_a_token_file(tokenizer, tmp_path)
     assert json.loads(out.with_suffix(".json").read_text())["num_tokens"] == len(tokenizer.encode("hello world"))
     encode_corpus(src, tokenizer, out, errors="replace", progress=False)
     np.testing.assert_array_equal(read_bin(out), tokenizer.encode("hello \ufffd"))
+
+
+def test_an_output_path_ending_in_a_slash_is_refused(tokenizer, tmp_path):
+    # "out/" was written as the token file "out" beside the sidecar "out.json".
+    src = tmp_path / "c.txt"
+    src.write_text("hello", encoding="utf-8")
+    with pytest.raises(UserError, match=r"output path .*out/ names a directory \(give a file name such as .*out/train.bin"):
+        encode_corpus(src, tokenizer, f"{tmp_path}/out/", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]

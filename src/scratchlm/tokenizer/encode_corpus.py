@@ -111,6 +111,10 @@ def encode_corpus(
     if errors not in ("strict", "replace"):
         raise UserError(f"errors must be 'strict' or 'replace', not {errors!r}")
     source = _check_input(Path(input_path))
+    named = os.fspath(out_path)
+    if named.endswith(("/", os.sep)):  # (Path drops the slash: "data/" would become the file "data")
+        raise UserError(f"output path {named} names a directory (give a file name such as "
+                        f"{Path(named) / 'train.bin'})")
     files = _OutputFiles.of(_check_output(Path(out_path), source))
     tokenizer, tokenizer_arg = _resolve_tokenizer(tokenizer_or_dir)
     workers = _default_workers() if num_workers is None else int(num_workers)
