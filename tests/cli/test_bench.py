@@ -77,3 +77,19 @@ def test_memory_snapshot_off_cuda_is_refused_before_the_timing(monkeypatch, tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(UserError, match="--memory-snapshot records the CUDA allocator: it needs a CUDA device, not cpu"):
         bench_command([*TINY, "--memory-snapshot", str(tmp_path / "snap.pickle")])
+
+
+def test_a_shape_too_large_for_the_cpu_is_a_user_error(capsys):
+    # The allocator's RuntimeError was reported as an unexpected error ("rerun with --debug").
+    from scratchlm.cli import main
+
+    assert main(["bench", *TINY, "--batch-size", "100000000000", "--mode", "forward"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("scratchlm bench: error: out of memory: the CPU allocator refused 11,920.9 GiB for "
+                          "batch 100000000000 x context 16") and "--debug" not in err
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**64)])  # 2**64 was a ValueError from torch.manual_seed
+def test_a_seed_out_of_range_is_a_user_error(value):
+    with pytest.raises(UserError, match=r"--seed must be in \[0, 2\*\*64\)"):
+        bench_command([*TINY, "--seed", value])

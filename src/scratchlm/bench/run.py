@@ -15,7 +15,7 @@ H200 used for docs/benchmarks (753 TFLOP/s).
 from __future__ import annotations
 
 import logging
-
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +69,7 @@ class BenchOptions:
     device: str | None = None  # default: cuda when available, else cpu
     profile: bool = False  # NVTX ranges and a torch.profiler table of the last mode
     memory_snapshot: str | None = None  # file for a CUDA allocator snapshot of one train step
-    seed: int = 0
+    seed: int = 0  # in [0, 2**64), what torch.manual_seed takes
 
 
 def _model_config(options: BenchOptions, overrides: list[str]):
@@ -119,6 +119,16 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     device, precision = _device_and_precision(options)
     cfg = _model_config(options, list(overrides))
     _check_attention_backend(cfg.attention_backend, device)
+    try:
+        return _build_and_time(cfg, options, device, precision)
+    except RuntimeError as exc:
+        message = _cpu_out_of_memory_message(exc, cfg, options)
+        if message is None:
+            raise
+        raise UserError(message) from None
+
+
+def _build_and_time(cfg: Any, options: BenchOptions, device: torch.device, precision: str) -> dict[str, Any]:
     model = _build_model(cfg, options, device, precision)
     runner, loss_fn = _forward_and_loss(model, options)
     optimizer = _build_optimizer(model, options, device)
@@ -167,6 +177,8 @@ def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
         raise UserError(f"--vocab-size must be >= 1, got {options.vocab_size}")
     if options.activation_checkpointing < 0:
         raise UserError(f"--activation-checkpointing must be >= 0 (0: off), got {options.activation_checkpointing}")
+    if not 0 <= options.seed < 2**64:
+        raise UserError(f"--seed must be in [0, 2**64), got {options.seed}")
     if options.memory_snapshot:
         # Checked before the timing, not when the snapshot is written after it.
         if device.type != "cuda":
@@ -299,6 +311,21 @@ def _out_of_memory_message(model: torch.nn.Module, mode: str, B: int, T: int, de
                 f"{total / 2**30:.1f} GiB; use a smaller model or shard it over GPUs (--parallel.strategy=fsdp in train)")
     return (f"{head}; try a smaller --batch-size/--context-length, --activation-checkpointing 1 "
             "or --fused-lm-head")
+
+
+_CPU_ALLOCATION_FAILED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def _cpu_out_of_memory_message(exc: RuntimeError, cfg: Any, options: BenchOptions) -> str | None:
+    """What to try when the CPU allocator refused a tensor (torch raises a plain RuntimeError
+    there, not OutOfMemoryError); None for any other error."""
+    match = _CPU_ALLOCATION_FAILED.search(str(exc))
+    if match is None:
+        return None
+    return (f"out of memory: the CPU allocator refused {int(match.group(1)) / 2**30:,.1f} GiB for batch "
+            f"{options.batch_size} x context {options.context_length} of a model with vocab_size {cfg.vocab_size}, "
+            f"d_model {cfg.d_model}, {cfg.num_layers} layers; try a smaller --batch-size, --context-length "
+            "or model")
 
 
 def _summarise(stats: BenchmarkResult, mode: str, tokens: int, flops_token: float, precision: str,
