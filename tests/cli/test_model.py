@@ -133,3 +133,12 @@ def test_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "has 501 tokens, more than the model's vocab_size=300" in err and "\n" not in err
     assert not out.exists()
+
+
+def test_account_refuses_an_infinite_moe_capacity_factor(capsys):
+    # Was an OverflowError reported as unexpected ("rerun with --debug").
+    from scratchlm.cli import main
+
+    assert main(["account", "--model.ffn=moe", "--model.moe_capacity_factor=inf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.moe_capacity_factor must be a positive finite number or none" in err and "\n" not in err

@@ -72,6 +72,9 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"model.rope_theta must be a positive finite number, got {self.rope_theta}")
+        if not (math.isfinite(self.rmsnorm_eps) and self.rmsnorm_eps >= 0):
+            # (inf normalised every activation to 0; a negative eps gives NaN where mean(x²) < -eps)
+            raise ValueError(f"model.rmsnorm_eps must be a finite number >= 0, got {self.rmsnorm_eps}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
@@ -104,8 +107,13 @@ class ModelConfig:
                 raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
             if self.moe_shared_experts < 0:
                 raise ValueError(f"model.moe_shared_experts must be >= 0, got {self.moe_shared_experts}")
-            if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
-                raise ValueError(f"model.moe_capacity_factor must be positive or none, got {self.moe_capacity_factor}")
+            if self.moe_capacity_factor is not None and not (
+                    math.isfinite(self.moe_capacity_factor) and self.moe_capacity_factor > 0):
+                raise ValueError(f"model.moe_capacity_factor must be a positive finite number or none (dropless), "
+                                 f"got {self.moe_capacity_factor}")
+            for name in ("moe_aux_coef", "moe_z_coef"):  # loss weights: a negative one rewards what it should punish
+                if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                    raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
             if self.moe_renormalize is not None and not isinstance(self.moe_renormalize, bool):
                 raise ValueError(f"model.moe_renormalize must be true, false or none, got {self.moe_renormalize!r}")
             if self.moe_aux_scope not in ("layer", "model"):

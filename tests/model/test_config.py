@@ -1,0 +1,26 @@
+"""ModelConfig's validation of the values no model can use."""
+
+from __future__ import annotations
+
+import pytest
+
+from scratchlm.model.config import ModelConfig
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # inf: every activation was normalised to 0; negative: NaN wherever mean(x²) < -eps
+    ({"rmsnorm_eps": float("inf")}, "model.rmsnorm_eps must be a finite number >= 0"),
+    ({"rmsnorm_eps": -1e-5}, "model.rmsnorm_eps must be a finite number >= 0"),
+    # inf: an OverflowError counting the capacity, in account and at the first training step
+    ({"ffn": "moe", "moe_capacity_factor": float("inf")}, "model.moe_capacity_factor must be a positive finite"),
+    ({"ffn": "moe", "moe_aux_coef": -0.01}, "model.moe_aux_coef must be a finite number >= 0"),
+    ({"ffn": "moe", "moe_z_coef": float("nan")}, "model.moe_z_coef must be a finite number >= 0"),
+])
+def test_values_no_model_can_use_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**kwargs)
+
+
+def test_the_edges_that_work_are_accepted():
+    ModelConfig(rmsnorm_eps=0.0)
+    ModelConfig(ffn="moe", moe_capacity_factor=1e-3, moe_aux_coef=0.0, moe_z_coef=0.0)
