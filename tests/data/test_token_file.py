@@ -125,3 +125,24 @@ def test_is_token_file_needs_a_sidecar_that_counts_its_tokens(tmp_path):
 def test_is_token_file_of_a_folder_without_a_name_is_false(folder):
     # Path(".").with_suffix(".json") raised a ValueError, so `train-bpe .` failed with it.
     assert not token_file.is_token_file(folder)
+
+
+def test_a_uint32_file_whose_sidecar_says_uint16_is_refused(tmp_path):
+    # Read as uint16, ids of a 70,000-token vocabulary come out small, every other one 0: the file
+    # was accepted and trained on as if it were text.
+    ids = np.arange(1000) % 70_000
+    path = write(tmp_path / "wide.bin", ids, dtype="uint32", vocab_size=70_000)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    for sidecar in ({**meta, "dtype": "uint16", "num_tokens": 2000}, {"vocab_size": 70_000}):  # (no dtype: uint16)
+        path.with_suffix(".json").write_text(json.dumps(sidecar))
+        with pytest.raises(UserError, match=r"dtype uint16 cannot hold the ids of a vocab_size of 70000"):
+            token_file.open_checked(path, vocab_size=70_000, context_length=8, what="--data")
+
+
+def test_ids_beyond_the_sidecar_vocabulary_are_refused(tmp_path):
+    # A uint16 file whose sidecar says uint32 (and a vocabulary of 500): its ids, read in pairs,
+    # fit a model of 10**8 and were accepted.
+    path = write(tmp_path / "narrow.bin", np.arange(1, 1001) % 500, vocab_size=500)
+    path.with_suffix(".json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 500, "num_tokens": 500}))
+    with pytest.raises(UserError, match=r"narrow.bin holds token id \d+, but its sidecar gives vocab_size=500"):
+        token_file.open_checked(path, vocab_size=10**8, context_length=8, what="--data")

@@ -69,6 +69,12 @@ def read_sidecar(bin_path: str | os.PathLike) -> dict[str, Any] | None:
         if value is not None and (type(value) is not int or value < least):
             raise UserError(f"sidecar {sidecar}: {key} must be an integer >= {least}, got {value!r}; "
                             "encode the text again with `scratchlm encode`")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and DTYPES[name].itemsize < token_dtype(vocab).itemsize:
+        # (a uint32 file read as uint16 holds only small ids, every other one 0: nothing else catches it)
+        raise UserError(f"sidecar {sidecar}: dtype {name} cannot hold the ids of a vocab_size of {vocab} "
+                        f"(ids past 65,535 need uint32); write the file's dtype in it, or encode the text "
+                        "again with `scratchlm encode`")
     hash_ = meta.get("tokenizer_hash")
     if hash_ is not None and not isinstance(hash_, str):
         raise UserError(f"sidecar {sidecar}: tokenizer_hash must be a string, got {hash_!r}; "
@@ -135,6 +141,9 @@ def open_checked(path: str | os.PathLike, *, vocab_size: int, context_length: in
     if largest >= vocab_size:
         raise UserError(f"{what} {path} holds token id {largest}, beyond model.vocab_size={vocab_size} "
                         f"(ids must be < {vocab_size}); the file or its sidecar is wrong: {ENCODE_HINT}")
+    if vocab is not None and largest >= int(vocab):
+        raise UserError(f"{what} {path} holds token id {largest}, but its sidecar gives vocab_size={vocab}; "
+                        f"the file or its sidecar (its dtype?) is wrong: {ENCODE_HINT}")
     return tokens
 
 
