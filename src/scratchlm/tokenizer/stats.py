@@ -77,11 +77,17 @@ def tokenizer_stats(tokenizer: Tokenizer, text: str, *, top: int = 20) -> dict[s
     }
 
 
+SHOWN_SPECIAL_TOKENS = 10  # the report names this many special tokens, then counts the rest
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """A human-readable report of tokenizer_stats output."""
+    specials = list(stats["special_tokens"])
+    shown = ", ".join(specials[:SHOWN_SPECIAL_TOKENS]) or "none"
+    if len(specials) > SHOWN_SPECIAL_TOKENS:  # (70,000 of them made one line of a megabyte)
+        shown += f", ... ({len(specials):,} in all; --json lists them)"
     lines = [
-        f"vocabulary      {stats['vocab_size']:,} ids ({stats['num_merges']:,} merges, "
-        f"special: {', '.join(stats['special_tokens']) or 'none'})",
+        f"vocabulary      {stats['vocab_size']:,} ids ({stats['num_merges']:,} merges, special: {shown})",
         f"hash            {stats['tokenizer_hash'][:16]}",
         f"sample          {stats['sample_bytes']:,} bytes, {stats['sample_chars']:,} chars "
         f"-> {stats['num_tokens']:,} tokens",
