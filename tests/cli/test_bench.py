@@ -93,3 +93,10 @@ def test_a_shape_too_large_for_the_cpu_is_a_user_error(capsys):
 def test_a_seed_out_of_range_is_a_user_error(value):
     with pytest.raises(UserError, match=r"--seed must be in \[0, 2\*\*64\)"):
         bench_command([*TINY, "--seed", value])
+
+
+def test_the_fused_head_with_a_logit_softcap_is_refused():
+    # The fused loss skips the cap: a model without it was timed under the softcapped model's name.
+    with pytest.raises(UserError, match=r"--fused-lm-head computes the loss from uncapped logits: it would time a "
+                                        r"model without model.logit_softcap=5"):
+        bench_command([*TINY, "--mode", "train_step", "--fused-lm-head", "--model.logit_softcap=5"])

@@ -119,6 +119,9 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     device, precision = _device_and_precision(options)
     cfg = _model_config(options, list(overrides))
     _check_attention_backend(cfg.attention_backend, device)
+    if options.fused_lm_head and cfg.logit_softcap:  # (as the trainer refuses it)
+        raise UserError(f"--fused-lm-head computes the loss from uncapped logits: it would time a model without "
+                        f"model.logit_softcap={cfg.logit_softcap:g}; drop one of the two")
     try:
         return _build_and_time(cfg, options, device, precision)
     except RuntimeError as exc:
