@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scratchlm.align.config import DPOConfig, OptimConfig
+from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import response_log_probs, tokenize_prompt_and_output
 from scratchlm.align.policy import autocast_context
 from scratchlm.align.preferences import PreferencePair
@@ -49,6 +50,7 @@ from scratchlm.align.sft import (
     schedule_length,
 )
 from scratchlm.errors import UserError
+from scratchlm.train.interrupt import StopSignals
 
 EncodedPair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejected ids
 
@@ -192,6 +194,7 @@ def dpo_train(
     progress: bool = False,
     report: ReportFn | None = None,
     long_warmup: LongWarmup = "refuse",
+    stop: StopSignals | None = None,
 ) -> list[dict[str, Any]]:
     """Train `policy.model` with DPO on preference pairs; returns one metrics dict per step.
 
@@ -202,7 +205,9 @@ def dpo_train(
     also counts the training and held-out pairs and those left out or cut short to fit the
     context (`ContextFit.metrics`); `report`, when given, gets one line on the latter before
     training starts, if there are any. A warm-up not shorter than the run is handled as
-    `long_warmup` says (`sft.fit_warmup`), before the reference is copied.
+    `long_warmup` says (`sft.fit_warmup`), before the reference is copied. Once `stop` has noted
+    a signal, the loop logs the row of the step it just took, without evaluation, and returns
+    (`scratchlm.align.interrupt`).
     """
     model = policy.model
     data, fit = fit_preference_pairs(policy, pairs)
@@ -246,16 +251,19 @@ def dpo_train(
         if step == 1:
             row.update(fit.metrics(), **eval_fit.metrics("eval_"))
         last = step == total
-        if held_out and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
+        stopping = stop_requested(stop)  # (the caller then saves the policy, so no save_every save here)
+        if held_out and not stopping and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
             row.update(evaluate())
-        if last or "eval_loss" in row or (step - 1) % log_every == 0:
+        if last or stopping or "eval_loss" in row or (step - 1) % log_every == 0:
             record(row)
         else:
             history.append(row)  # between log lines: in the history only
-        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not last:
+        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (last or stopping):
             save(step)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['reward_accuracy']:.2f}")
+        if stopping:
+            break
     bar.close()
     model.eval()
     return history

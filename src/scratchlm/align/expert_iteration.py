@@ -16,11 +16,13 @@ from typing import Any
 
 from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingConfig, SFTConfig
 from scratchlm.align.datasets import MathExample
+from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.prompts import PromptTemplate
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import LogFn, LongWarmup, eval_metrics, fit_warmup, recorder, schedule_length, sft_train
 from scratchlm.errors import UserError
+from scratchlm.train.interrupt import StopSignals
 
 
 def filter_rewarded(
@@ -75,13 +77,16 @@ def expert_iteration(
     log: LogFn | None = None,
     progress: bool = False,
     long_warmup: LongWarmup = "refuse",
+    stop: StopSignals | None = None,
 ) -> list[dict[str, Any]]:
     """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
 
     `reward_fn` is a function or the name of a registered reward (reward_registry.REWARDS).
     Each step's SFT starts a fresh schedule (warm-up included) over that step's updates, which
     depend on how many responses it keeps; a warm-up not shorter than the most a step can take
-    (`round_updates`) is handled as `long_warmup` says (`sft.fit_warmup`).
+    (`round_updates`) is handled as `long_warmup` says (`sft.fit_warmup`). Once `stop` has noted
+    a signal, the step in progress ends after its SFT's optimizer step in progress, and its row
+    (without evaluation) is the last (`scratchlm.align.interrupt`).
     """
     check_train_examples(train_examples, ei)
     reward_fn = get_reward_fn(reward_fn)
@@ -108,7 +113,7 @@ def expert_iteration(
         kept = filter_rewarded(prompts, responses, rewards)
         step_sft = SFTConfig(**{**vars(sft), "num_epochs": ei.sft_epochs, "max_steps": 0})
         sft_history = sft_train(policy, kept, sft=step_sft, optim=optim, seed=rng.randrange(2**31),
-                                step_offset=sft_steps, progress=progress, long_warmup="keep")
+                                step_offset=sft_steps, progress=progress, long_warmup="keep", stop=stop)
         sft_steps += len(sft_history)
         generated = sum(c.num_tokens for c in completions)
         row = {
@@ -123,7 +128,9 @@ def expert_iteration(
             "token_entropy": (sum(h["token_entropy"] for h in sft_history) / len(sft_history)
                               if sft_history else float("nan")),
         }
-        if evaluate is not None:
+        if evaluate is not None and not stop_requested(stop):
             row.update(eval_metrics(evaluate, step))
         record(row)
+        if stop_requested(stop):
+            break
     return history

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from scratchlm.align.config import GRPOConfig, OptimConfig, SamplingConfig
 from scratchlm.align.datasets import MathExample
+from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import (
     compute_entropy,
     masked_mean,
@@ -57,6 +58,7 @@ from scratchlm.align.sft import (
     LogFn, LongWarmup, _bar, eval_metrics, fit_warmup, learning_rate, make_optimizer, optimizer_step, recorder,
 )
 from scratchlm.errors import UserError
+from scratchlm.train.interrupt import StopSignals
 
 
 def compute_group_normalized_rewards(
@@ -368,6 +370,7 @@ def update_policy(
     first_update: int,
     total_updates: int,
     rng: random.Random,
+    stop: StopSignals | None = None,
 ) -> tuple[dict[str, float], float, int]:
     """`epochs_per_rollout_batch` passes of optimizer steps over one scored rollout batch.
 
@@ -375,29 +378,38 @@ def update_policy(
     (with a seed drawn from `rng`) into optimizer steps of `train_batch_size` rows, each
     accumulated over `grad_accum_steps` microbatches. Returns (loss, token entropy, clip
     fraction and gradient norm averaged over the optimizer steps; the last learning rate;
-    the number of optimizer steps taken).
+    the number of optimizer steps taken). Once `stop` has noted a signal, no step follows the
+    one in progress (`scratchlm.align.interrupt`).
     """
     model = policy.model
     micro = grpo.train_batch_size // grpo.grad_accum_steps
-    steps_per_batch = grpo.rollout_batch_size // grpo.train_batch_size
     model.train()
     log_probs = log_probs_fn(grpo.compile)
     old = _sequence_log_probs(policy, batch, micro, log_probs) if grpo.loss_type == "grpo_clip" else None
     sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
     n_updates = 0
-    for _ in range(grpo.epochs_per_rollout_batch):
-        order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
-        for b in range(steps_per_batch):
-            rows = order[b * grpo.train_batch_size:(b + 1) * grpo.train_batch_size]
-            for m in range(grpo.grad_accum_steps):
-                idx = rows[m * micro:(m + 1) * micro].to(policy.device)
-                _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums,
-                                     log_probs)
-            lr = learning_rate(first_update + n_updates, total_updates, optim)
-            sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
-            n_updates += 1
+    for rows in _update_rows(grpo, rng):
+        for m in range(grpo.grad_accum_steps):
+            idx = rows[m * micro:(m + 1) * micro].to(policy.device)
+            _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums,
+                                 log_probs)
+        lr = learning_rate(first_update + n_updates, total_updates, optim)
+        sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
+        n_updates += 1
+        if stop_requested(stop):
+            break
     model.eval()
     return {k: v / n_updates for k, v in sums.items()}, lr, n_updates
+
+
+def _update_rows(grpo: GRPOConfig, rng: random.Random) -> Iterator[Tensor]:
+    """The rows (train_batch_size,) of each optimizer step over a rollout batch: every pass a fresh
+    permutation of the batch, seeded from `rng` when the pass starts."""
+    size = grpo.train_batch_size
+    for _ in range(grpo.epochs_per_rollout_batch):
+        order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        for b in range(grpo.rollout_batch_size // size):
+            yield order[b * size:(b + 1) * size]
 
 
 def _microbatch_backward(
@@ -456,6 +468,7 @@ def grpo_train(
     log: LogFn | None = None,
     progress: bool = False,
     long_warmup: LongWarmup = "refuse",
+    stop: StopSignals | None = None,
 ) -> list[dict[str, Any]]:
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
@@ -464,7 +477,9 @@ def grpo_train(
     `evaluate(step)`, when given, runs at step 0, every `grpo.eval_every` steps and at the end;
     its dict is merged into that step's metrics under ``eval_*`` keys. A warm-up not shorter
     than the run's updates is handled as `long_warmup` says (`sft.fit_warmup`), except in a
-    time-limited run, whose length is not known in advance.
+    time-limited run, whose length is not known in advance. Once `stop` has noted a signal, the
+    step in progress ends after its optimizer step in progress, and its row (averaging the updates
+    it took, without evaluation) is the last (`scratchlm.align.interrupt`).
     """
     check_train_examples(train_examples, grpo)
     reward_fn = get_reward_fn(reward_fn)
@@ -493,20 +508,21 @@ def grpo_train(
             update_meta, lr, n_updates = update_policy(
                 policy, optimizer, batch, advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None],
                 grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=update,
-                total_updates=total_updates, rng=rng)
+                total_updates=total_updates, rng=rng, stop=stop)
         update += n_updates
         row = step_metrics(step, lr, update_meta, reward_meta, rollouts, retokenized)
         row["elapsed_s"] = time.perf_counter() - started  # GRPO wall time so far, evaluations included
         out_of_time = bool(grpo.max_seconds) and row["elapsed_s"] >= grpo.max_seconds
         last = step == grpo.n_grpo_steps or out_of_time
-        if evaluate is not None and (last or (grpo.eval_every and step % grpo.eval_every == 0)):
+        if (evaluate is not None and not stop_requested(stop)
+                and (last or (grpo.eval_every and step % grpo.eval_every == 0))):
             with clock("eval_s"):
                 row.update(eval_metrics(evaluate, step))
         row.update(clock.seconds)
         record(row)
         bar.update(1)
         bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
-        if out_of_time:
+        if out_of_time or stop_requested(stop):  # (a signal during the evaluation: no rollouts after it)
             break
     bar.close()
     return history

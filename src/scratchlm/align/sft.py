@@ -26,6 +26,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from scratchlm.align.config import OptimConfig, SFTConfig
+from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import (
     masked_mean,
     response_log_probs,
@@ -34,6 +35,7 @@ from scratchlm.align.logprobs import (
 )
 from scratchlm.align.policy import autocast_context
 from scratchlm.errors import UserError
+from scratchlm.train.interrupt import StopSignals
 
 LogFn = Callable[[dict[str, Any]], None]
 ReportFn = Callable[[str], None]
@@ -262,6 +264,7 @@ def sft_train(
     report: ReportFn | None = None,
     evaluate: EvaluateFn | None = None,
     long_warmup: LongWarmup = "refuse",
+    stop: StopSignals | None = None,
 ) -> list[dict[str, Any]]:
     """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step.
 
@@ -271,6 +274,8 @@ def sft_train(
     not shorter than the run is then handled as `long_warmup` says (`fit_warmup`). Then
     `evaluate`, when given, runs on the starting policy: its results go to `log` as the
     ``eval_*`` keys of a row for step `step_offset`, which the returned history leaves out.
+    Once `stop` has noted a signal, the loop logs the row of the step it just took and returns
+    (`scratchlm.align.interrupt`).
     """
     model = policy.model
     if not pairs:
@@ -316,10 +321,13 @@ def sft_train(
         row = {"phase": "sft", "step": step_offset + step + 1, "loss": loss_sum, "lr": lr, "grad_norm": norm,
                "token_entropy": entropy_sum, "response_tokens": tokens, **(fit.metrics() if step == 0 else {})}
         history.append(row)
-        if log is not None and (step % max(sft.log_every, 1) == 0 or step == total - 1):
+        stopping = stop_requested(stop)
+        if log is not None and (step % max(sft.log_every, 1) == 0 or step == total - 1 or stopping):
             log(row)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
+        if stopping:
+            break
     bar.close()
     model.eval()
     return history

@@ -3,7 +3,8 @@
 The training commands read a TOML preset (``configs/align-*.toml``) with dotted overrides,
 write the resolved config, ``metrics.jsonl``, one ``eval_step_N.jsonl`` per evaluation and
 the final policy (``policy/``, a run directory or a Hugging Face directory) into
-``run.out_dir``.
+``run.out_dir``. Ctrl-C (SIGINT) or SIGTERM stops them after the optimizer step in progress
+with that policy saved (`scratchlm.align.interrupt`); they exit with 130 or 143.
 
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
     scratchlm grpo align-grpo --policy.path=runs/align-sft/policy
@@ -40,7 +41,8 @@ class MetricsWriter:
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                  if k in ("phase", "step", "loss", "rollout_reward", "reward_mean", "eval_accuracy",
                           "eval_format_rate", "token_entropy", "kept", "clip_fraction", "reward_accuracy",
-                          "reward_margin", "eval_loss", "eval_reward_accuracy", "eval_reward_margin")}
+                          "reward_margin", "eval_loss", "eval_reward_accuracy", "eval_reward_margin",
+                          "interrupted")}
         log.info("%s", shown)
         print(json.dumps(shown), flush=True)
 
@@ -200,6 +202,7 @@ def sft_pairs(examples: Sequence[Any], template: Any) -> list[tuple[str, str]]:
 def sft_command(argv: list[str]) -> int:
     """``scratchlm sft [config] [--section.key=value ...]``: SFT on worked solutions."""
     from scratchlm.align.config import SFTRunConfig
+    from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup, schedule_length, sft_train
 
     cfg, long_warmup = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
@@ -219,10 +222,14 @@ def sft_command(argv: list[str]) -> int:
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals))
     metrics = MetricsWriter(out_dir)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
-    history = sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
-                        progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup)
-    metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
+    history = run_interruptible(
+        lambda stop: sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
+                               progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup,
+                               stop=stop),
+        phase="sft", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
+    # Saved before the final evaluation, so that a Ctrl-C during it loses no training.
     policy.save(out_dir / "policy", step=len(history))
+    metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
     return 0
 
 
@@ -230,6 +237,7 @@ def expert_iteration_command(argv: list[str]) -> int:
     """``scratchlm expert-iteration [config] [--section.key=value ...]``."""
     from scratchlm.align.config import ExpertIterationRunConfig
     from scratchlm.align.expert_iteration import check_train_examples, expert_iteration, round_updates
+    from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup
 
     cfg, long_warmup = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
@@ -241,10 +249,12 @@ def expert_iteration_command(argv: list[str]) -> int:
         cfg.optim = fit_warmup(cfg.optim, *bound, long_warmup=long_warmup)
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
-    history = expert_iteration(policy, train, template=template, reward_fn=reward_fn,
-                               ei=cfg.ei, sft=cfg.sft, optim=cfg.optim, sampling=cfg.sampling,
-                               evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
-                               log=metrics, progress=cfg.run.progress, long_warmup=long_warmup)
+    evaluate = _evaluator(policy, cfg, template, evals, out_dir)
+    history = run_interruptible(
+        lambda stop: expert_iteration(policy, train, template=template, reward_fn=reward_fn, ei=cfg.ei, sft=cfg.sft,
+                                      optim=cfg.optim, sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed,
+                                      log=metrics, progress=cfg.run.progress, long_warmup=long_warmup, stop=stop),
+        phase="ei", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
     policy.save(out_dir / "policy", step=len(history))
     return 0
 
@@ -253,6 +263,7 @@ def grpo_command(argv: list[str]) -> int:
     """``scratchlm grpo [config] [--section.key=value ...]``."""
     from scratchlm.align.config import GRPORunConfig
     from scratchlm.align.grpo import check_train_examples, grpo_train, grpo_updates
+    from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup
 
     cfg, long_warmup = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
@@ -262,10 +273,12 @@ def grpo_command(argv: list[str]) -> int:
         cfg.optim = fit_warmup(cfg.optim, *grpo_updates(cfg.grpo), long_warmup=long_warmup)
     policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
     metrics = MetricsWriter(out_dir)
-    history = grpo_train(policy, train, template=template, reward_fn=reward_fn,
-                         grpo=cfg.grpo, optim=cfg.optim, sampling=cfg.sampling,
-                         evaluate=_evaluator(policy, cfg, template, evals, out_dir), seed=cfg.run.seed,
-                         log=metrics, progress=cfg.run.progress, long_warmup=long_warmup)
+    evaluate = _evaluator(policy, cfg, template, evals, out_dir)
+    history = run_interruptible(
+        lambda stop: grpo_train(policy, train, template=template, reward_fn=reward_fn, grpo=cfg.grpo, optim=cfg.optim,
+                                sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed, log=metrics,
+                                progress=cfg.run.progress, long_warmup=long_warmup, stop=stop),
+        phase="grpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
     policy.save(out_dir / "policy", step=len(history))
     return 0
 
@@ -295,6 +308,7 @@ def dpo_command(argv: list[str]) -> int:
     """``scratchlm dpo [config] [--section.key=value ...]``: DPO on preference pairs."""
     from scratchlm.align.config import DPORunConfig
     from scratchlm.align.dpo import dpo_train
+    from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup, schedule_length
 
     cfg, long_warmup = _parse("dpo", argv, DPORunConfig, "dpo", "Direct preference optimisation on preference pairs.")
@@ -307,9 +321,12 @@ def dpo_command(argv: list[str]) -> int:
                            long_warmup=long_warmup)
     policy, out_dir = _start(cfg)
     metrics = MetricsWriter(out_dir)
-    history = dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
-                        save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
-                        log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup)
+    history = run_interruptible(
+        lambda stop: dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
+                               save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
+                               log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup,
+                               stop=stop),
+        phase="dpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_loss" if held_out else None)
     policy.save(out_dir / "policy", step=history[-1]["step"])
     return 0
 

@@ -12,6 +12,10 @@ stays in its staging folder and never becomes `latest`).
 that goes on after a failed point) lets it through and stops, and ``scratchlm`` prints its
 message and exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM.
 
+The post-training commands stop the same way, saving their policy where the trainer writes a
+checkpoint (`scratchlm.align.interrupt`); `stop_signals`' `stops_after` and `second_loses` make
+the handlers' lines say so.
+
 Handlers can only be set in the main thread; elsewhere `stop_signals` watches nothing. A signal
 the process ignores (SIG_IGN, as a non-interactive shell sets SIGINT for a background job) stays
 ignored, and the previous handlers are back when the block ends.
@@ -51,37 +55,45 @@ class TrainingInterrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+# What the trainer's lines say: where the first signal stops, and what a second one loses.
+STOPS_AFTER = "this step, once its checkpoint is written"
+SECOND_LOSES = "without a checkpoint of the step in progress (--resume continues from the previous one)"
+
+
 class StopSignals:
     """The note `stop_signals` keeps: `signum` is the first signal received (None until one comes)."""
 
-    def __init__(self, *, announce: bool = False) -> None:
+    def __init__(self, *, announce: bool = False, stops_after: str = STOPS_AFTER,
+                 second_loses: str = SECOND_LOSES) -> None:
         self.signum: int | None = None
         self._announce = announce
+        self._stops_after, self._second_loses = stops_after, second_loses
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal_name(signum)
         if self.signum is not None:
-            raise TrainingInterrupted(f"stopped at once by a second {name}, without a checkpoint of the step in "
-                                      "progress (--resume continues from the previous one)", signum=signum)
+            raise TrainingInterrupted(f"stopped at once by a second {name}, {self._second_loses}", signum=signum)
         self.signum = signum
         if self._announce:
             # os.write to fd 2, not print: the handler may run in the middle of a write to sys.stderr.
             with contextlib.suppress(OSError):
-                os.write(2, f"received {name}: stopping after this step, once its checkpoint is written "
+                os.write(2, f"received {name}: stopping after {self._stops_after} "
                             f"(send it again to stop at once)\n".encode())
 
 
 @contextlib.contextmanager
-def stop_signals(signums: Sequence[int] = STOP_SIGNALS, *, announce: bool = False) -> Iterator[StopSignals]:
+def stop_signals(signums: Sequence[int] = STOP_SIGNALS, *, announce: bool = False, stops_after: str = STOPS_AFTER,
+                 second_loses: str = SECOND_LOSES) -> Iterator[StopSignals]:
     """Inside the block, `signums` only set the yielded note's `signum` (a second one raises
     `TrainingInterrupted`); the previous handlers are restored on the way out. `announce` writes
-    a line to stderr when the first signal arrives.
+    a line to stderr when the first signal arrives, saying the run stops after `stops_after`;
+    a second signal's message says what stopping at once gives up (`second_loses`).
 
         with stop_signals() as signals:
             while not done and signals.signum is None:
                 step()
     """
-    note = StopSignals(announce=announce)
+    note = StopSignals(announce=announce, stops_after=stops_after, second_loses=second_loses)
     previous = {}
     try:
         if threading.current_thread() is threading.main_thread():

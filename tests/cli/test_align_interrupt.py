@@ -1,0 +1,129 @@
+"""`scratchlm sft | grpo | dpo` in a real process stopped by Ctrl-C (SIGINT) or SIGTERM: the policy
+trained so far is saved where the end of the run saves it, a last metrics record says where it
+stopped, the process exits 130 / 143 with one line naming the policy, and a new run continues from
+it. (The loops' side is tested in-process in tests/align/test_interrupt.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import scratchlm
+from scratchlm.align.policy import load_policy
+from scratchlm.cli import main
+
+STARTUP_TIMEOUT_S = 120  # importing torch on a loaded 2-core machine
+EXIT_TIMEOUT_S = 60
+TINY = ["--data.limit=8", "--data.eval_limit=2", "--sampling.max_new_tokens=6", "--sampling.eval_max_new_tokens=6",
+        "--sampling.batch_size=8", "--policy.device=cpu", "--run.progress=false"]
+# command: (preset, metrics phase, key of an evaluation's results, options). Each run is far too
+# long to finish: the signal always comes during training.
+RUNS = {
+    "sft": ("align-sft", "sft", "eval_accuracy",
+            ["--data.dataset=arith:1", "--sft.max_steps=1000000", "--sft.micro_batch_size=2",
+             "--sft.grad_accum_steps=1", *TINY]),
+    # Rollouts of a random policy earn no reward (no gradient): the weight decay shows the updates.
+    "grpo": ("align-grpo", "grpo", "eval_accuracy",
+             ["--data.dataset=arith:1", "--grpo.n_grpo_steps=1000000", "--grpo.eval_every=0",
+              "--grpo.rollout_batch_size=4", "--grpo.group_size=2", "--grpo.train_batch_size=2",
+              "--grpo.grad_accum_steps=1", "--optim.lr=1e-2", "--optim.weight_decay=0.1", *TINY]),
+    "dpo": ("dpo", "dpo", "eval_loss",
+            ["--dpo.max_steps=1000000", "--dpo.eval_every=0", "--dpo.micro_batch_size=2", "--dpo.grad_accum_steps=1",
+             "--data.limit=8", "--data.eval_limit=2", "--policy.device=cpu", "--run.progress=false"]),
+}
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+@contextlib.contextmanager
+def _running(tmp_path: Path, command: str, base: Path, out: Path) -> Iterator[subprocess.Popen]:
+    """`python -m scratchlm COMMAND` on the tiny run of RUNS, stdout and stderr to files; killed
+    on the way out if it still runs."""
+    preset, _, _, options = RUNS[command]
+    src = str(Path(scratchlm.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    stdout, stderr = open(tmp_path / "stdout.txt", "wb"), open(tmp_path / "stderr.txt", "wb")
+    with stdout, stderr:
+        # SIGINT back to its default: a shell starting this test in the background ignores it.
+        proc = subprocess.Popen([sys.executable, "-m", "scratchlm", command, preset, f"--policy.path={base}",
+                                 f"--run.out_dir={out}", *options], stdout=stdout, stderr=stderr, env=env,
+                                cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_until_training(proc: subprocess.Popen, out: Path) -> None:
+    """Return once metrics.jsonl holds the row of an optimizer step (the loop, and its handlers, run)."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited with {proc.returncode} before it logged a step")
+        if metrics.is_file() and any(r["step"] >= 1 for r in _metrics(out)):
+            return
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no training row in {metrics} after {STARTUP_TIMEOUT_S} s")
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_policy(path).model.state_dict()
+
+
+@pytest.mark.parametrize("command, signum", [("sft", signal.SIGINT), ("grpo", signal.SIGTERM), ("dpo", signal.SIGINT)],
+                         ids=["sft-SIGINT", "grpo-SIGTERM", "dpo-SIGINT"])
+def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_signal_code(tiny_policy, tmp_path,
+                                                                                       command, signum):
+    base = tmp_path / "base"
+    tiny_policy.save(base)
+    out = tmp_path / command
+    with _running(tmp_path, command, base, out) as proc:
+        _wait_until_training(proc, out)
+        proc.send_signal(signum)
+        returncode = proc.wait(timeout=EXIT_TIMEOUT_S)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    name = signal.Signals(signum).name
+    assert returncode == 128 + signum, stderr
+    assert f"received {name}: stopping after this optimizer step, once the policy is saved" in stderr
+    match = re.fullmatch(rf"scratchlm {command}: interrupted by {name} at step (\d+); policy saved to (.+) \(its "
+                         rf"final evaluation skipped\); continue from it with --policy\.path=(.+) and another "
+                         rf"--run\.out_dir \(the optimizer and schedule start afresh\)",
+                         stderr.strip().splitlines()[-1])
+    assert match, stderr
+    step, saved = int(match[1]), Path(match[2])
+    assert saved == Path(match[3]) == out / "policy"
+
+    # The step it stopped at is whole and logged, without the evaluation of the end; then the record of the stop.
+    preset, phase, evaluated, options = RUNS[command]
+    rows = _metrics(out)
+    assert rows[-1] == {"phase": phase, "step": step, "interrupted": name}
+    assert rows[-2]["step"] == step and "loss" in rows[-2]
+    assert [r["step"] for r in rows if evaluated in r] == [0]
+    assert not (out / f"eval_step_{step}.jsonl").exists()
+
+    # The policy saved is the trained one, and a new run starts from it.
+    assert (saved / "checkpoints" / f"step_{step:06d}").is_dir()
+    assert load_policy(saved).model_config == tiny_policy.model_config
+    start, trained = _weights(base), _weights(saved)
+    assert start.keys() == trained.keys() and not all(torch.equal(start[k], trained[k]) for k in start)
+    one_step = {"sft": "--sft.max_steps=1", "grpo": "--grpo.n_grpo_steps=1", "dpo": "--dpo.max_steps=1"}[command]
+    assert main([command, preset, f"--policy.path={saved}", f"--run.out_dir={tmp_path / 'more'}", *options,
+                 one_step]) == 0
+    assert (tmp_path / "more" / "policy").is_dir()
