@@ -120,3 +120,12 @@ def test_output_reaches_a_pipe_line_by_line():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_plain_ctrl_c_says_interrupted(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: interrupted)
+    assert cli.main(["encode"]) == 130
+    assert capsys.readouterr().err == "scratchlm encode: interrupted\n"

@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         # Training stops on SIGINT or SIGTERM with a TrainingInterrupted naming its checkpoint and
         # the signal's exit code (128 + the signal number).
-        print(f"scratchlm {name}: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"scratchlm {name}: {str(exc) or 'interrupted'}", file=sys.stderr)
         return getattr(exc, "exit_code", 130)
     return int(result or 0)
 
