@@ -68,11 +68,14 @@ def sample_next(
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
-    # The largest logit of each row is made 0 first, and the temperature kept within float32: a
-    # tiny temperature then sends the other logits to -inf, as it should, instead of the largest
-    # to +inf (whose softmax is NaN, from which a garbage id was drawn).
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    logits = apply_temperature(logits, max(temperature, torch.finfo(torch.float32).tiny))
+    if temperature < 1e-3:
+        # The largest logit of each row is made 0 first, and the temperature kept within float32:
+        # a tiny temperature then sends the other logits to -inf, as it should, instead of the
+        # largest to +inf (whose softmax is NaN, from which a garbage id was drawn). Above 1e-3 no
+        # finite logit of a model overflows, and the decoding step keeps its two passes fewer.
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = apply_temperature(logits, temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
