@@ -292,3 +292,12 @@ def test_a_hugging_face_directory_is_named_as_such(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(UserError, match="is a Hugging Face model directory .*not a scratchlm run"):
         resolve_checkpoint(tmp_path)
+
+
+def test_a_latest_that_is_not_text_is_named_as_damaged(tmp_path):
+    model, opt = _trained()
+    _save_step(tmp_path, 5, model, opt)
+    (tmp_path / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
+    for read in (ckpt.resolve_checkpoint, ckpt.find_resume_checkpoint, ckpt.latest_step_dir):
+        with pytest.raises(UserError, match="latest is not a step directory name .* damaged"):
+            read(tmp_path)

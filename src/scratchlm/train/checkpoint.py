@@ -329,12 +329,21 @@ def list_steps(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name[5:]))
 
 
+def _read_pointer(pointer: Path) -> str:
+    """The step directory name that the `latest` file `pointer` holds."""
+    try:
+        return pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise UserError(f"{pointer} is not a step directory name (it is not UTF-8 text): the file is damaged; "
+                        "write the name of a step directory (e.g. step_000100) into it") from None
+
+
 def latest_step_dir(run_dir: str | os.PathLike) -> Path | None:
     """The step directory `latest` names, or None when the run has no checkpoint yet."""
     pointer = checkpoints_dir(run_dir) / LATEST
     if not pointer.is_file():
         return None
-    path = checkpoints_dir(run_dir) / pointer.read_text(encoding="utf-8").strip()
+    path = checkpoints_dir(run_dir) / _read_pointer(pointer)
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{pointer} names {path.name}, which is missing or incomplete")
     return path
@@ -347,7 +356,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
     anything when `latest` is missing.
     """
     pointer = checkpoints_dir(run_dir) / LATEST
-    current = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else ""
+    current = _read_pointer(pointer) if pointer.is_file() else ""
     if current[5:].isdigit():
         older = [p for p in list_steps(run_dir) if int(p.name[5:]) < int(current[5:])]
         for path in older[: max(0, len(older) - (keep - 1))]:
@@ -508,7 +517,7 @@ def find_resume_checkpoint(run_dir: str | os.PathLike, step: int | str | os.Path
     if step is not None:
         target = _named_step(run_dir, step)
     elif pointer.is_file():
-        target = checkpoints_dir(run_dir) / pointer.read_text(encoding="utf-8").strip()
+        target = checkpoints_dir(run_dir) / _read_pointer(pointer)
         if not target.name[5:].isdigit() or not target.is_dir():
             hint = (f"{steps[-1].name} is the newest step directory: write its name into {pointer} to resume "
                     f"from it" if steps else "the run has no step directory; start it over with --overwrite")
