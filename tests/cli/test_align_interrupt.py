@@ -5,26 +5,19 @@ it. (The loops' side is tested in-process in tests/align/test_interrupt.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-import scratchlm
 from scratchlm.align.policy import load_policy
 from scratchlm.cli import main
+from tests.cli.processes import EXIT_TIMEOUT_S, scratchlm_process, wait_until
 
-STARTUP_TIMEOUT_S = 120  # importing torch on a loaded 2-core machine
-EXIT_TIMEOUT_S = 60
 TINY = ["--data.limit=8", "--data.eval_limit=2", "--sampling.max_new_tokens=6", "--sampling.eval_max_new_tokens=6",
         "--sampling.batch_size=8", "--policy.device=cpu", "--run.progress=false"]
 # command: (preset, metrics phase, key of an evaluation's results, options). Each run is far too
@@ -48,39 +41,10 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
-@contextlib.contextmanager
-def _running(tmp_path: Path, command: str, base: Path, out: Path) -> Iterator[subprocess.Popen]:
-    """`python -m scratchlm COMMAND` on the tiny run of RUNS, stdout and stderr to files; killed
-    on the way out if it still runs."""
-    preset, _, _, options = RUNS[command]
-    src = str(Path(scratchlm.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    stdout, stderr = open(tmp_path / "stdout.txt", "wb"), open(tmp_path / "stderr.txt", "wb")
-    with stdout, stderr:
-        # SIGINT back to its default: a shell starting this test in the background ignores it.
-        proc = subprocess.Popen([sys.executable, "-m", "scratchlm", command, preset, f"--policy.path={base}",
-                                 f"--run.out_dir={out}", *options], stdout=stdout, stderr=stderr, env=env,
-                                cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _wait_until_training(proc: subprocess.Popen, out: Path) -> None:
     """Return once metrics.jsonl holds the row of an optimizer step (the loop, and its handlers, run)."""
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited with {proc.returncode} before it logged a step")
-        if metrics.is_file() and any(r["step"] >= 1 for r in _metrics(out)):
-            return
-        time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"no training row in {metrics} after {STARTUP_TIMEOUT_S} s")
+    metrics = out / "metrics.jsonl"
+    wait_until(proc, lambda: metrics.is_file() and any(r["step"] >= 1 for r in _metrics(out)), "a training row")
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -94,7 +58,9 @@ def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_si
     base = tmp_path / "base"
     tiny_policy.save(base)
     out = tmp_path / command
-    with _running(tmp_path, command, base, out) as proc:
+    preset, phase, evaluated, options = RUNS[command]
+    with scratchlm_process(tmp_path, [command, preset, f"--policy.path={base}", f"--run.out_dir={out}",
+                                      *options]) as proc:
         _wait_until_training(proc, out)
         proc.send_signal(signum)
         returncode = proc.wait(timeout=EXIT_TIMEOUT_S)
@@ -111,7 +77,6 @@ def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_si
     assert saved == Path(match[3]) == out / "policy"
 
     # The step it stopped at is whole and logged, without the evaluation of the end; then the record of the stop.
-    preset, phase, evaluated, options = RUNS[command]
     rows = _metrics(out)
     assert rows[-1] == {"phase": phase, "step": step, "interrupted": name}
     assert rows[-2]["step"] == step and "loss" in rows[-2]
