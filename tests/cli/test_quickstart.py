@@ -157,3 +157,23 @@ def test_a_run_killed_while_the_previous_one_was_set_aside_is_tidied_by_the_next
     assert previous == stale and (stale / "metrics.jsonl").is_file()  # the latest run, not the stale one
     qs.drop_previous(previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["qs"]
+
+
+def test_a_model_the_new_data_does_not_fit_keeps_the_previous_run(tmp_path):
+    # The trainer refused the model only after the previous run in --out had been deleted.
+    out = tmp_path / "qs"
+    _previous_run(out)
+    with pytest.raises(UserError, match="larger than model.vocab_size=100"):
+        qs.quickstart_command(["--out", str(out), "--steps", "1", "--corpus-mb", "0.05", "--vocab-size", "300",
+                               *TINY, "--model.vocab_size=100"])
+    assert (out / "metrics.jsonl").read_text() == "{}\n" and not (out / "tokenizer").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qs"]
+
+
+def test_options_the_trainer_refuses_together_fail_before_the_tokenizer_trains(tmp_path, monkeypatch):
+    out = tmp_path / "qs"
+    _previous_run(out)
+    monkeypatch.setattr(qs, "build_corpus", lambda *a: pytest.fail("the corpus was built before the options were checked"))
+    with pytest.raises(UserError, match="leave optim.cosine_steps unset"):
+        qs.quickstart_command(["--out", str(out), "--steps", "1", "--trainer.time_budget_s=10", "--optim.cosine_steps=5"])
+    assert (out / "metrics.jsonl").read_text() == "{}\n"

@@ -131,7 +131,7 @@ def quickstart_command(argv: list[str]) -> int:
 
 def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     from scratchlm.train.config import TrainConfig
-    from scratchlm.train.trainer import Trainer
+    from scratchlm.train.trainer import Trainer, check_combinations
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -142,10 +142,12 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
     # The overrides and the corpus first: a typo in either must not cost the previous run in --out,
     # nor come out only after the tokenizer has trained.
     first = load_config(TrainConfig, "quickstart", base + [f"--model.vocab_size={args.vocab_size}"] + overrides)
+    check_combinations(first)
     check_out_dir(out)
     what, train_text, valid_text = build_corpus(args.data, Path(args.data_dir), int(args.corpus_mb * 1e6))
-    # The previous run in --out goes only once the new data is built and fits a window: a corpus
-    # too small, a full disk or an interrupt before training puts it back.
+    # The previous run in --out goes only once the new run has started (the trainer is built: the
+    # data fits a window, the model and options fit the data and the device): a corpus too small,
+    # a full disk, a model the tokenizer does not fit or an interrupt before training puts it back.
     previous = prepare_out_dir(out)
     try:
         tokenizer, stats = build_data(out, what, train_text, valid_text, args.vocab_size, timings, t0)
@@ -155,28 +157,27 @@ def run_quickstart(args: argparse.Namespace, overrides: list[str]) -> dict[str, 
                 raise UserError(f"the {split} text encodes to {stats[split]['num_tokens']} tokens, too few for one "
                                 f"window of context_length {first.model.context_length} (needs {need}): give "
                                 f"more text (--data, --corpus-mb) or a shorter --model.context_length")
+        base.append(f"--model.vocab_size={tokenizer.vocab_size}")
+        cfg = load_config(TrainConfig, "quickstart", base + overrides)
+        if args.steps is not None:
+            steps = args.steps
+            plan = f"{steps} steps"
+        else:
+            per_step = measure_step_seconds(cfg)
+            steps = plan_steps(per_step, args.minutes * 60, cfg, cap=4 * cfg.trainer.max_steps)
+            plan = f"{steps} steps (~{steps * per_step / 60:.1f} min at {per_step:.2f} s/step)"
+        every = max(1, steps // 4)
+        cfg = load_config(TrainConfig, "quickstart", base + [
+            f"--trainer.max_steps={steps}", f"--trainer.eval_interval={every}",
+            f"--trainer.checkpoint_interval={every * 2}", f"--trainer.log_interval={max(1, steps // 20)}",
+            f"--optim.warmup_steps={max(1, min(cfg.optim.warmup_steps, steps // 10))}"] + overrides)
+        print(f"[4/4] training: {plan}, batch {cfg.trainer.batch_size} x {cfg.model.context_length} tokens")
+        start = time.perf_counter()
+        trainer = Trainer(cfg, out)
     except BaseException:
         keep_previous(out, previous)
         raise
     drop_previous(previous)
-
-    base.append(f"--model.vocab_size={tokenizer.vocab_size}")
-    cfg = load_config(TrainConfig, "quickstart", base + overrides)
-    if args.steps is not None:
-        steps = args.steps
-        plan = f"{steps} steps"
-    else:
-        per_step = measure_step_seconds(cfg)
-        steps = plan_steps(per_step, args.minutes * 60, cfg, cap=4 * cfg.trainer.max_steps)
-        plan = f"{steps} steps (~{steps * per_step / 60:.1f} min at {per_step:.2f} s/step)"
-    every = max(1, steps // 4)
-    cfg = load_config(TrainConfig, "quickstart", base + [
-        f"--trainer.max_steps={steps}", f"--trainer.eval_interval={every}",
-        f"--trainer.checkpoint_interval={every * 2}", f"--trainer.log_interval={max(1, steps // 20)}",
-        f"--optim.warmup_steps={max(1, min(cfg.optim.warmup_steps, steps // 10))}"] + overrides)
-    print(f"[4/4] training: {plan}, batch {cfg.trainer.batch_size} x {cfg.model.context_length} tokens")
-    start = time.perf_counter()
-    trainer = Trainer(cfg, out)
     n_params = sum(p.numel() for p in trainer.raw_model.parameters())
     # A machine that slows down mid-run (other jobs) stops at the budget plus a margin.
     deadline = None if args.steps is not None else time.monotonic() + DEADLINE_MARGIN * args.minutes * 60
