@@ -93,6 +93,8 @@ def test_a_bad_data_file_keeps_the_previous_run(tmp_path):
     ("--data.val_path=", "the quickstart sets data.val_path itself"),
     ("--data.tokenizer_dir=tok", "the quickstart sets data.tokenizer_dir itself"),
     ("--trainer.out_dir=elsewhere", "the quickstart sets trainer.out_dir itself"),
+    # trained 100 steps with --steps 1, evaluating and logging every step as planned for 1
+    ("--trainer.max_steps=100", "the quickstart sets trainer.max_steps itself, from --steps or --minutes"),
 ])
 def test_a_bad_override_keeps_the_previous_run_and_trains_no_tokenizer(tmp_path, monkeypatch, override, message):
     # The overrides were read only after the corpus, the tokenizer and the token files: the

@@ -32,8 +32,13 @@ from scratchlm.fileio import move_aside, write_text_atomic
 
 DEADLINE_MARGIN = 1.25  # training stops at this multiple of --minutes even if steps remain
 MARKER = "quickstart.json"  # marks a directory as a quickstart run (safe to replace)
-# Config keys the quickstart sets itself, under --out: an override of one was ignored or broke the run.
-OWN_KEYS = ("data.train_path", "data.val_path", "data.tokenizer_dir", "trainer.out_dir")
+# Config keys the quickstart sets itself, and what sets each: an override of one was ignored or
+# broke the run (trainer.max_steps beat --steps, with the intervals and warm-up planned for --steps).
+OWN_KEYS = {"data.train_path": "under --out (--data gives the text)",
+            "data.val_path": "under --out (--data gives the text)",
+            "data.tokenizer_dir": "under --out (--data gives the text)",
+            "trainer.out_dir": "from --out",
+            "trainer.max_steps": "from --steps or --minutes"}
 
 
 def check_out_dir(out: Path) -> None:
@@ -113,8 +118,7 @@ def quickstart_command(argv: list[str]) -> int:
     for text in overrides:
         key = ".".join(parse_override(text)[0])
         if key in OWN_KEYS:
-            raise UserError(f"--{key}: the quickstart sets {key} itself, under --out; leave it out "
-                            "(--data gives the text, --out the run directory)")
+            raise UserError(f"--{key}: the quickstart sets {key} itself, {OWN_KEYS[key]}; leave it out")
     for flag, value in (("--minutes", args.minutes), ("--corpus-mb", args.corpus_mb), ("--steps", args.steps)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a positive number, got {value}")
