@@ -258,3 +258,29 @@ def test_a_run_written_before_newer_model_keys_existed_resumes(cfg, tmp_path):
     changed = replace(cfg, model=replace(cfg.model, qk_norm=True))
     with pytest.raises(UserError, match=r"differs from this config in model\.qk_norm$"):
         run_training(with_out(changed, run), resume=True)
+
+
+# ---------------------------------------------------------------- optimizer settings changed on resume
+
+
+@pytest.mark.parametrize("optim", [dict(weight_decay=0.5, beta1=0.5, beta2=0.9, eps=1e-6),
+                                   dict(name="muon", muon_lr=0.05, muon_momentum=0.8)])
+def test_a_resumed_run_steps_with_the_optimizer_settings_of_its_config(cfg, tmp_path, optim):
+    # Loading the optimizer state put the checkpoint's betas, weight decay, eps and Muon rate back
+    # into the parameter groups: the changed settings were recorded in config.toml but not used.
+    from scratchlm.train.trainer import Trainer
+
+    first = replace(cfg, optim=replace(cfg.optim, name=optim.get("name", "adamw")))
+    run = tmp_path / "run"
+    stop_at(first, run, 4)
+    changed = replace(cfg, optim=replace(cfg.optim, **optim))
+    resumed = Trainer(with_out(changed, run), run, resume=True)
+    fresh = Trainer(with_out(changed, tmp_path / "fresh"), tmp_path / "fresh")
+    try:
+        assert resumed.step == 4
+        for got, want in zip(resumed.optimizer.param_groups, fresh.optimizer.param_groups, strict=True):
+            assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in want.items() if k != "params"}
+        assert resumed.optimizer.state  # the moments still come from the checkpoint
+    finally:
+        resumed.logger.close()
+        fresh.logger.close()

@@ -642,7 +642,12 @@ class Trainer:
                                model_is="this config's model",
                                hint="resume with the model settings the run trained with")
         self.strategy.load_full_state_dict(self.model, weights)
+        # Loading the state also loads the checkpoint's hyperparameters into the groups: this config's
+        # (weight decay, betas, eps, Muon's rate and momentum), which config.toml records, go back on.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
         self.data.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
