@@ -82,6 +82,7 @@ def _check_inputs_outside(cfg: TrainConfig, run_dir: Path) -> None:
 
 INIT_ONLY = frozenset({"qkv_init", "zero_init_output"})  # model fields that only change the initial weights
 COMPUTE_ONLY = frozenset({"fused_projections", "packed_qkv_backward"})  # model fields that only change how the same maths runs
+OPTIMIZER_LAYOUT = ("name", "decay_vectors")  # optim fields that decide the optimizer and its parameter groups
 
 
 def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
@@ -95,11 +96,14 @@ def _check_same_model(cfg: TrainConfig, run_dir: Path) -> None:
     for section in ("model", "optim"):
         if not isinstance(saved_cfg.get(section, {}), dict):
             raise UserError(f"--resume: {saved}: [{section}] must be a table, got {type(saved_cfg[section]).__name__}")
-    # The optimizer state of the checkpoint only loads into the same optimizer.
-    old_optimizer = saved_cfg.get("optim", {}).get("name", "adamw")  # runs from before optim.name: AdamW
-    if old_optimizer != cfg.optim.name:
-        raise UserError(f"--resume: {saved} trained with optim.name={old_optimizer!r}, this config has "
-                        f"{cfg.optim.name!r}; its optimizer state cannot carry over: keep optim.name={old_optimizer!r}")
+    # The optimizer state of the checkpoint only loads into the same optimizer, with the same
+    # parameter groups (runs from before a field trained with its default).
+    for key in OPTIMIZER_LAYOUT:
+        old_value = saved_cfg.get("optim", {}).get(key, getattr(type(cfg.optim)(), key))
+        if old_value != getattr(cfg.optim, key):
+            raise UserError(f"--resume: {saved} trained with optim.{key}={old_value!r}, this config has "
+                            f"{getattr(cfg.optim, key)!r}; its optimizer state cannot carry over: "
+                            f"keep optim.{key}={old_value!r}")
     # A field the saved config does not name did not exist when the run started (or was none):
     # the run trained with its default, as `load_config` would read the file back.
     old = {**config_to_dict(type(cfg.model)()), **saved_cfg.get("model", {})}

@@ -645,7 +645,11 @@ class Trainer:
         # Loading the state also loads the checkpoint's hyperparameters into the groups: this config's
         # (weight decay, betas, eps, Muon's rate and momentum), which config.toml records, go back on.
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
+        try:
+            self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
+        except ValueError as exc:  # other parameter groups: the run's config.toml, compared first, may be missing
+            raise UserError(f"{optim_file} does not fit this config's optimizer ({exc}); resume with the "
+                            "optim.name and optim.decay_vectors the run trained with") from None
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)
         self.data.load_state_dict(state["sampler"])
