@@ -300,3 +300,14 @@ def test_resuming_with_other_parameter_groups_is_one_line(cfg, tmp_path):
                                         "the optim.name and optim.decay_vectors the run trained with"):
         run_training(changed, resume=True)
     assert train_steps(run) == [1, 2, 3, 4]
+
+
+def test_resuming_with_another_seed_is_refused(cfg, tmp_path):
+    # The sampler and RNG states come from the checkpoint: the new seed was written to config.toml
+    # and ignored.
+    run = tmp_path / "run"
+    stop_at(cfg, run, 4)
+    with pytest.raises(UserError, match=r"step_000004 trained with trainer.seed=0; .* keep trainer.seed=0"):
+        run_training(with_out(replace(cfg, trainer=replace(cfg.trainer, seed=5)), run), resume=True)
+    assert "seed = 0" in (run / "config.toml").read_text()
+    assert train_steps(run) == [1, 2, 3, 4]

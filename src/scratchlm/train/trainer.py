@@ -631,6 +631,11 @@ class Trainer:
         if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
+        seed = state["sampler"].get("seed", self.cfg.trainer.seed)
+        if seed != self.cfg.trainer.seed:  # the stream and RNG states continue: another seed would be recorded, not used
+            raise UserError(f"{step_dir} trained with trainer.seed={seed}; a resumed run continues its data stream "
+                            f"and random state, so trainer.seed={self.cfg.trainer.seed} would not take effect: keep "
+                            f"trainer.seed={seed}, or start a new run")
         step, max_steps = int(state["step"]), self.cfg.trainer.max_steps
         if step > max_steps and not self._has_record("end", step):
             # fit would train nothing and end nothing, after rewriting config.toml with this max_steps
