@@ -83,3 +83,11 @@ def test_the_sidecar_vocabulary_check_names_the_fix(cfg, tmp_path):
     meta = json.loads(path.with_suffix(".json").read_text())
     path.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": 1000}))
     _fails_before_any_file(cfg, tmp_path, r"1000.*model.vocab_size=48")
+
+
+def test_the_training_file_as_validation_data_is_refused(cfg, tmp_path, monkeypatch):
+    # The "validation" loss scored the tokens the model trained on, without a word.
+    _fails_before_any_file(_with_data(cfg, val_path=cfg.data.train_path), tmp_path,
+                           r"data.val_path .*train\.bin is the training file data.train_path")
+    monkeypatch.chdir(tmp_path)  # the same file spelled another way
+    _fails_before_any_file(_with_data(cfg, val_path="./train.bin"), tmp_path, "is the training file")

@@ -119,6 +119,16 @@ def test_a_sweep_needs_validation_data_and_one_process(preset, tmp_path):
         plan_sweep(preset, ["--parallel.strategy=ddp"], parse_grid(GRID), tmp_path / "s")
 
 
+def test_a_sweep_over_the_training_file_as_validation_data_fails_before_any_run(preset, tmp_path):
+    # Every point trained, then compared training losses under the name of validation losses.
+    from scratchlm.config import read_toml
+
+    train = read_toml(preset)["data"]["train_path"]
+    with pytest.raises(UserError, match="is the training file data.train_path"):
+        plan_sweep(preset, [f"--data.val_path={train}"], parse_grid(GRID), tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
 def test_the_sweep_folder_must_not_be_a_file_or_a_training_run(preset, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="exists and is not a directory"):

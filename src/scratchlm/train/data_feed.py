@@ -39,6 +39,18 @@ def tokenizer_hash(tokenizer_dir: str) -> str | None:
     return Tokenizer.load(tokenizer_dir).hash
 
 
+def check_held_out(data_cfg: DataConfig) -> None:
+    """Refuse a `data.val_path` that is `data.train_path` (the same file, however spelled): its
+    validation loss would be a training loss, lower than any held-out one, under the name of one."""
+    from scratchlm.fileio import resolve_path
+
+    if data_cfg.val_path and data_cfg.train_path and (
+            resolve_path(data_cfg.val_path, "data.val_path") == resolve_path(data_cfg.train_path, "data.train_path")):
+        raise UserError(f"data.val_path {data_cfg.val_path} is the training file data.train_path: the validation "
+                        "loss would score tokens the model trains on; give a held-out token file, or leave "
+                        "data.val_path empty for no validation")
+
+
 class TrainData:
     """Training batches from `data.train_path`, validation batches from `data.val_path`.
 
@@ -62,6 +74,7 @@ class TrainData:
         self.train_tokens = open_checked(data_cfg.train_path, model_cfg, "data.train_path", **tok)
         self.val_tokens = (open_checked(data_cfg.val_path, model_cfg, "data.val_path", **tok)
                            if data_cfg.val_path else None)
+        check_held_out(data_cfg)
         self.sampler = BatchSampler(self.train_tokens, batch_size, self.context_length,
                                     seed=seed, rank=rank, world_size=world_size)
 

@@ -184,10 +184,12 @@ def _check_data(cfg: TrainConfig) -> None:
     """The token files fit the point's model (vocabulary, context length), so a grid over
     model.vocab_size or model.context_length fails here rather than after the points before it."""
     from scratchlm.data.token_file import open_checked
+    from scratchlm.train.data_feed import check_held_out
 
     for what in ("train_path", "val_path"):
         open_checked(getattr(cfg.data, what), vocab_size=cfg.model.vocab_size,
                      context_length=cfg.model.context_length, what=f"data.{what}")
+    check_held_out(cfg.data)
 
 
 def point_status(point: SweepPoint) -> str:
