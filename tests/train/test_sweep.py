@@ -242,6 +242,29 @@ def test_a_failed_point_is_reported_and_the_sweep_goes_on(preset, tmp_path, monk
     assert "failed: the training loss became nan" in (out / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("error", [
+    MemoryError("Unable to allocate 7.28 TiB for an array with shape (1000000000000,) and data type int64"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 204800000000 bytes. Error code 12 (Cannot allocate memory)"),
+])
+def test_a_point_the_host_memory_cannot_hold_is_reported_and_the_sweep_goes_on(preset, tmp_path, monkeypatch, error):
+    # What numpy and torch's CPU allocator raise: the whole sweep stopped at that point, as a crash.
+    out = tmp_path / "sweep"
+    points = plan_sweep(preset, [], parse_grid(["model.d_model=32,16"]), out)
+    real_train = sweep_mod._train_point
+
+    def too_big(point, *, resume):
+        if point.cfg.model.d_model == 32:
+            raise error
+        real_train(point, resume=resume)
+
+    monkeypatch.setattr(sweep_mod, "_train_point", too_big)
+    lines = []
+    rows = run_sweep(points, out, echo=lines.append)
+    assert "failed" in lines[0] and "out of memory" in lines[0] and " val " in lines[1]
+    assert rows[0]["error"].startswith("out of memory: ") and rows[1]["finished"]
+
+
 def test_a_changed_config_is_refused_before_any_point_runs(preset, tmp_path):
     out = tmp_path / "sweep"
     points = plan_sweep(preset, [], parse_grid(["optim.lr=1e-2"]), out)

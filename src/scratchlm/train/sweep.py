@@ -313,9 +313,12 @@ def _train_point(point: SweepPoint, *, resume: bool) -> None:
 
 
 def _is_out_of_memory(exc: Exception) -> bool:
+    """A device or host allocation that failed: CUDA's OutOfMemoryError, numpy's MemoryError, or
+    the plain RuntimeError of torch's CPU allocator ("can't allocate memory")."""
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and any(words in str(exc) for words in ("out of memory", "can't allocate memory")))
 
 
 def _release_memory(*, compiled: bool) -> None:
