@@ -135,6 +135,16 @@ def test_nan_is_not_a_number_setting(tmp_path, text):
     assert load_config(Outer, None, ["--inner.rate=inf"]).inner.rate == float("inf")
 
 
+def test_an_integer_past_the_float_range_reads_as_infinite(tmp_path):
+    # float(10**400) raised OverflowError, reported as unexpected; 1e400 already read as inf.
+    preset = tmp_path / "p.toml"
+    preset.write_text("[inner]\nrate = -1" + "0" * 400 + "\n")
+    assert load_config(Outer, preset).inner.rate == float("-inf")
+    preset.write_text("[optim]\nlr = 1" + "0" * 400 + "\n")
+    with pytest.raises(ConfigError, match="optim.lr must be a finite number, got inf"):
+        load_config(TrainConfig, preset)
+
+
 def test_config_file_that_is_not_utf8_text(tmp_path):
     # A token file or a Latin-1 file given where a TOML config belongs.
     binary = tmp_path / "train.bin"

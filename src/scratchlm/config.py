@@ -14,6 +14,7 @@ one-line message naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -234,7 +235,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # a TOML integer past float's range: infinite, as 1e400 reads
+                number = math.inf if value > 0 else -math.inf
         if number is not None and number == number:  # NaN is no setting: it passes every `< 0` check
             return number
         raise ConfigError(f"{key} must be a number, got {value!r}")
