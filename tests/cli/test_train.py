@@ -59,13 +59,22 @@ def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
 @pytest.mark.parametrize("override, message", [
     ("--trainer.sample_top_p=0", "trainer.sample_top_p must be in"),
     ("--trainer.sample_top_p=1.5", "trainer.sample_top_p must be in"),
-    ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be >= 0"),
+    ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be a finite number >= 0"),
+    ("--trainer.sample_temperature=inf", "trainer.sample_temperature must be a finite number >= 0"),  # uniform samples
     ("--trainer.seed=-1", r"trainer.seed must be in \[0, 2\*\*32\)"),  # was numpy's ValueError
 ])
 def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override, message):
     # These failed only when the samples were drawn, after the whole run had trained.
     with pytest.raises(UserError, match=message):
         train_command([f"--trainer.out_dir={tmp_path / 'run'}", override])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["-5e14", "inf"])
+def test_train_refuses_a_peak_flops_that_is_negative_or_infinite(tmp_path, value):
+    # A negative peak was taken for 0 (look it up, n/a on a CPU), an infinite one logged MFU 0.
+    with pytest.raises(UserError, match=r"trainer.peak_flops must be a finite number >= 0 \(0 = look it up\)"):
+        train_command([f"--trainer.out_dir={tmp_path / 'run'}", f"--trainer.peak_flops={value}"])
     assert not (tmp_path / "run").exists()
 
 

@@ -94,10 +94,13 @@ class TrainerConfig:
             raise ValueError(f"trainer.time_budget_s must be a finite number >= 0 (0 = no budget), "
                              f"got {self.time_budget_s}")
         # Checked here, not when the samples are drawn after the whole run has trained.
-        if not self.sample_temperature >= 0:
-            raise ValueError(f"trainer.sample_temperature must be >= 0 (0 = greedy), got {self.sample_temperature}")
+        if not 0 <= self.sample_temperature < math.inf:  # an infinite one samples every token alike
+            raise ValueError(f"trainer.sample_temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {self.sample_temperature}")
         if not 0 < self.sample_top_p <= 1:
             raise ValueError(f"trainer.sample_top_p must be in (0, 1], got {self.sample_top_p}")
+        if not 0 <= self.peak_flops < math.inf:  # a negative one was looked up as 0 is, an infinite one gave MFU 0
+            raise ValueError(f"trainer.peak_flops must be a finite number >= 0 (0 = look it up), got {self.peak_flops}")
         if not 0 <= self.seed < 2**32:  # numpy's range; it seeds the data sampler
             raise ValueError(f"trainer.seed must be in [0, 2**32), got {self.seed}")
         if self.keep_checkpoints < 1:
