@@ -1,10 +1,16 @@
-"""Loss and learning-rate curves of a run as PNG files (matplotlib, Agg backend: no display)."""
+"""Loss and learning-rate curves of a run as PNG files (matplotlib, Agg backend: no display).
+
+Figures are written whole (`save_figure`): plots are redrawn during a run, and a process killed
+or a disk filled while one is drawn leaves the previous picture, not a cut file.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+
+from scratchlm.fileio import atomic_open
 
 
 def plot_metrics(records: list[dict[str, Any]], out_dir: str | os.PathLike) -> list[Path]:
@@ -31,7 +37,7 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: str | os.PathLike) -> l
     if train or evals:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "loss.png")
+    save_figure(fig, out_dir / "loss.png")
     plt.close(fig)
     written.append(out_dir / "loss.png")
 
@@ -43,7 +49,14 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: str | os.PathLike) -> l
     ax.set_title("learning-rate schedule")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "lr.png")
+    save_figure(fig, out_dir / "lr.png")
     plt.close(fig)
     written.append(out_dir / "lr.png")
     return written
+
+
+def save_figure(fig: Any, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure as PNG, replacing `path` in one step (`scratchlm.fileio.atomic_open`)."""
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png")
+    return Path(path)

@@ -440,6 +440,8 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    from scratchlm.train.plots import save_figure
+
     path = Path(path)
     keys = list(rows[0]["values"]) if rows else []
     x_key, other = (keys[0], keys[1:]) if keys else ("", [])
@@ -468,6 +470,6 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     if other:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
