@@ -65,6 +65,14 @@ def test_bad_numbers_are_refused_before_anything_is_written(tmp_path, flags, mes
 
 
 
+def test_an_empty_out_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # --out $OUT with OUT unset: "ValueError: PosixPath('.') has an empty name" in an empty directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="--out is empty; name the run directory"):
+        qs.quickstart_command(["--out", "", "--steps", "1"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_token_file_as_the_data_is_refused_before_anything_is_written(tmp_path):
     import numpy as np
 

@@ -50,3 +50,14 @@ def test_the_sweep_folder_defaults_to_the_config_out_dir(preset, tmp_path, capsy
     assert cli.main(["sweep", str(preset), "--grid", "optim.lr=1e-2", f"--trainer.out_dir={tmp_path / 'lr'}"]) == 0
     assert (tmp_path / "lr" / "optim.lr=1e-2" / "metrics.jsonl").is_file()
     assert (tmp_path / "lr" / "summary.md").is_file()
+
+
+@pytest.mark.parametrize("option", ["--out=", "--trainer.out_dir="])
+def test_an_empty_sweep_folder_is_refused(preset, tmp_path, monkeypatch, capsys, option):
+    # --out $OUT with OUT unset put the points, the summary and the plot in the current directory.
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli.main(["sweep", str(preset), "--grid", "optim.lr=1e-2", option]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert not any(work.iterdir())

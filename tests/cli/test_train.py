@@ -70,6 +70,20 @@ def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_train_refuses_an_empty_out_dir(cfg, tmp_path, monkeypatch, value):
+    # --trainer.out_dir=$OUT with OUT unset trained into the current directory, among its files.
+    from scratchlm.config import save_config
+
+    save_config(cfg, tmp_path / "c.toml")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(UserError, match="trainer.out_dir is empty; name the run directory"):
+        train_command([str(tmp_path / "c.toml"), f"--trainer.out_dir={value}", "--trainer.max_steps=1"])
+    assert not any(work.iterdir())
+
+
 @pytest.mark.parametrize("value", ["-5e14", "inf"])
 def test_train_refuses_a_peak_flops_that_is_negative_or_infinite(tmp_path, value):
     # A negative peak was taken for 0 (look it up, n/a on a CPU), an infinite one logged MFU 0.

@@ -119,6 +119,8 @@ def quickstart_command(argv: list[str]) -> int:
         key = ".".join(parse_override(text)[0])
         if key in OWN_KEYS:
             raise UserError(f"--{key}: the quickstart sets {key} itself, {OWN_KEYS[key]}; leave it out")
+    if not args.out.strip():  # would be the current directory: an unset $VARIABLE
+        raise UserError("--out is empty; name the run directory (e.g. runs/quickstart)")
     for flag, value in (("--minutes", args.minutes), ("--corpus-mb", args.corpus_mb), ("--steps", args.steps)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a positive number, got {value}")

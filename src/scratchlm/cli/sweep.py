@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from scratchlm.config import split_overrides
+from scratchlm.errors import UserError
 
 
 def sweep_command(argv: list[str]) -> int:
@@ -26,6 +27,8 @@ def sweep_command(argv: list[str]) -> int:
     parser.add_argument("--out", help="the sweep's folder (default: the config's trainer.out_dir)")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
+    if args.out is not None and not args.out.strip():  # would be the current directory: an unset $VARIABLE
+        raise UserError("--out is empty; name the sweep's folder (e.g. runs/sweep-lr, or . on purpose)")
     axes = parse_grid(args.grid)
     points = plan_sweep(args.config, overrides, axes, args.out)
     out = Path(args.out) if args.out else points[0].run_dir.parent

@@ -84,6 +84,8 @@ class TrainerConfig:
     tensorboard: bool = False  # also write TensorBoard events when tensorboard is installed
 
     def __post_init__(self) -> None:
+        if not self.out_dir.strip():  # would be the current directory: typically an unset $VARIABLE
+            raise ValueError("trainer.out_dir is empty; name the run directory (e.g. runs/exp1, or . on purpose)")
         for name in ("batch_size", "grad_accum_steps", "eval_batches", "log_interval", "activation_checkpointing_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be positive, got {getattr(self, name)}")
