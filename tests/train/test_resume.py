@@ -311,3 +311,26 @@ def test_resuming_with_another_seed_is_refused(cfg, tmp_path):
         run_training(with_out(replace(cfg, trainer=replace(cfg.trainer, seed=5)), run), resume=True)
     assert "seed = 0" in (run / "config.toml").read_text()
     assert train_steps(run) == [1, 2, 3, 4]
+
+
+def _shorter_training_file(cfg, tmp_path):
+    from tests.train.small_runs import write_tokens
+
+    return replace(cfg, data=replace(cfg.data, train_path=write_tokens(tmp_path / "short.bin", 3000, 0)))
+
+
+@pytest.mark.parametrize("change, message", [
+    # was "sampler state has batch_size=4 but this run has 2", naming neither key that changed
+    (lambda cfg, _: replace(cfg, trainer=replace(cfg.trainer, grad_accum_steps=2)),
+     r"trained on micro-batches of 4 sequences \(trainer.batch_size / trainer.grad_accum_steps = 4 / 2 = 2 here\)"),
+    (lambda cfg, _: replace(cfg, trainer=replace(cfg.trainer, batch_size=8)), "trained on micro-batches of 4 sequences"),
+    # was "sampler state has num_tokens=4000 but this run has 3000", naming no file
+    (_shorter_training_file, r"trained on a file of 4,000 tokens, but data.train_path .*short.bin holds 3,000: "
+                             "resume with the training file the run started with"),
+])
+def test_resuming_a_data_stream_that_cannot_continue_names_the_setting(cfg, tmp_path, change, message):
+    run = tmp_path / "run"
+    stop_at(cfg, run, 4)
+    with pytest.raises(UserError, match=message):
+        run_training(with_out(change(cfg, tmp_path), run), resume=True)
+    assert train_steps(run) == [1, 2, 3, 4]

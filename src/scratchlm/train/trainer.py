@@ -611,6 +611,26 @@ class Trainer:
         self.strategy.barrier()
         return path
 
+    def _check_same_stream(self, sampler: dict[str, Any], step_dir: Path) -> None:
+        """The resumed run continues the checkpoint's data stream: refuse, naming the config keys,
+        a seed (which would be recorded, not used), micro-batch or training file it cannot continue."""
+        tc = self.cfg.trainer
+        seed = sampler.get("seed", tc.seed)
+        if seed != tc.seed:
+            raise UserError(f"{step_dir} trained with trainer.seed={seed}; a resumed run continues its data stream "
+                            f"and random state, so trainer.seed={tc.seed} would not take effect: keep "
+                            f"trainer.seed={seed}, or start a new run")
+        micro = sampler.get("batch_size", self.data.batch_size)
+        if micro != self.data.batch_size:
+            raise UserError(f"{step_dir} trained on micro-batches of {micro} sequences (trainer.batch_size / "
+                            f"trainer.grad_accum_steps = {tc.batch_size} / {tc.grad_accum_steps} = "
+                            f"{self.data.batch_size} here); its data stream continues only with {micro}")
+        tokens = sampler.get("num_tokens", len(self.data.train_tokens))
+        if tokens != len(self.data.train_tokens):
+            raise UserError(f"{step_dir} trained on a file of {tokens:,} tokens, but data.train_path "
+                            f"{self.cfg.data.train_path} holds {len(self.data.train_tokens):,}: resume with the "
+                            "training file the run started with")
+
     def _resume(self, step_dir: Path | None) -> None:
         from scratchlm.model.transformer import build_model
 
@@ -631,11 +651,7 @@ class Trainer:
         if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
             raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
                             f"state; resume it with the same number of ranks, not {self.world_size}")
-        seed = state["sampler"].get("seed", self.cfg.trainer.seed)
-        if seed != self.cfg.trainer.seed:  # the stream and RNG states continue: another seed would be recorded, not used
-            raise UserError(f"{step_dir} trained with trainer.seed={seed}; a resumed run continues its data stream "
-                            f"and random state, so trainer.seed={self.cfg.trainer.seed} would not take effect: keep "
-                            f"trainer.seed={seed}, or start a new run")
+        self._check_same_stream(state["sampler"], step_dir)
         step, max_steps = int(state["step"]), self.cfg.trainer.max_steps
         if step > max_steps and not self._has_record("end", step):
             # fit would train nothing and end nothing, after rewriting config.toml with this max_steps
