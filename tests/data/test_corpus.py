@@ -52,3 +52,11 @@ def test_a_file_that_is_not_utf8_is_refused(tmp_path):
 def test_a_character_cut_at_the_size_limit_is_dropped(tmp_path):
     (tmp_path / "utf8.txt").write_text("é" * 100, encoding="utf-8")
     assert corpus.read_head(tmp_path / "utf8.txt", 11) == "é" * 5
+
+
+@pytest.mark.parametrize("content", ["", " \n\n\t", "<|endoftext|>\n<|endoftext|>"], ids=["empty", "blank", "separators"])
+def test_a_file_without_text_is_named(tmp_path, content):
+    path = tmp_path / "empty.txt"
+    path.write_text(content)
+    with pytest.raises(UserError, match=rf"^{path}: no text to train on"):
+        corpus.build_corpus(str(path), tmp_path, 10_000)

@@ -89,6 +89,8 @@ def text_file_split(path: Path, max_bytes: int) -> tuple[str, str]:
     """Train/validation text from one file: held-out documents by hash of their index, or
     the last tenth when the file is not split into documents."""
     text = read_head(path, max_bytes + max_bytes // 10)
+    if not text.replace(EOT, "").strip():
+        raise UserError(f"{path}: no text to train on (the file is empty, blank or only {EOT} separators)")
     docs = [d for d in text.split(EOT) if d.strip()]
     if len(docs) >= 20:
         return split_documents([(str(i), d) for i, d in enumerate(docs)], max_bytes)
