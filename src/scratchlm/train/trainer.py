@@ -589,6 +589,8 @@ class Trainer:
         model_state = self.strategy.full_state_dict(self.model)
         optim_state = self.strategy.optimizer_state_dict(self.optimizer)
         state = {"step": self.step, "world_size": self.world_size, "rng": ckpt.rng_state(),
+                 "parallel": {"strategy": self.strategy.name, "optimizer_state": self.cfg.parallel.optimizer_state,
+                              "per_rank": self.strategy.optimizer_state_per_rank},
                  "sampler": self.data.state_dict(),
                  "loop": {"window_loss": self._window_loss.item(), "window_steps": self._window_steps,
                           "moe_window": None if self._moe_window is None else self._moe_window.tolist(),
@@ -631,6 +633,29 @@ class Trainer:
                             f"{self.cfg.data.train_path} holds {len(self.data.train_tokens):,}: resume with the "
                             "training file the run started with")
 
+    def _check_same_optimizer_layout(self, state: dict[str, Any], step_dir: Path) -> None:
+        """Per-rank optimizer files load only into the strategy, `parallel.optimizer_state` and
+        number of ranks that wrote them: refuse another, naming what to resume with."""
+        saved = state.get("parallel")
+        if saved is None:  # written before the layout was recorded: the step's config.toml names it
+            from scratchlm.config import read_toml
+
+            config = step_dir / ckpt.CONFIG
+            section = read_toml(config).get("parallel", {}) if config.is_file() else {}
+            section = section if isinstance(section, dict) else {}
+            saved = {"strategy": section.get("strategy"), "optimizer_state": section.get("optimizer_state", "full"),
+                     "per_rank": (step_dir / "optimizer.rank1.pt").is_file()}
+        if not saved["per_rank"]:
+            return  # one optimizer.pt in the single-process layout: any strategy and world size
+        here = (self.strategy.name, self.cfg.parallel.optimizer_state, self.world_size)
+        there = (saved["strategy"] or self.strategy.name, saved["optimizer_state"], state["world_size"])
+        if here != there:
+            raise UserError(f"{step_dir} holds sharded optimizer state, one part per rank, written by "
+                            f"parallel.strategy={there[0]!r} on {there[2]} ranks; resume it with "
+                            f"--parallel.strategy={there[0]} --parallel.optimizer_state={there[1]} on {there[2]} "
+                            f"ranks, not parallel.strategy={here[0]!r} with parallel.optimizer_state={here[1]!r} "
+                            f"on {here[2]} ranks")
+
     def _resume(self, step_dir: Path | None) -> None:
         from scratchlm.model.transformer import build_model
 
@@ -648,9 +673,7 @@ class Trainer:
             raise UserError(f"{step_dir} holds no training state (optimizer, data position, RNG): it was not "
                             "written by `scratchlm train` (e.g. the output of sft, grpo or dpo), so it cannot be "
                             "resumed; train into another trainer.out_dir")
-        if state["world_size"] != self.world_size and (step_dir / "optimizer.rank1.pt").is_file():
-            raise UserError(f"{step_dir} was written by {state['world_size']} ranks with sharded optimizer "
-                            f"state; resume it with the same number of ranks, not {self.world_size}")
+        self._check_same_optimizer_layout(state, step_dir)
         self._check_same_stream(state["sampler"], step_dir)
         step, max_steps = int(state["step"]), self.cfg.trainer.max_steps
         if step > max_steps and not self._has_record("end", step):
