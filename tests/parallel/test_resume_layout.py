@@ -42,3 +42,27 @@ def test_sharded_optimizer_state_resumes_only_with_its_strategy_and_layout(tmp_p
     # the same settings continue it
     run_training(_config(tmp_path, *sharded, "--trainer.max_steps=2"), resume=True)
     assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.parametrize("sharded", [["--parallel.strategy=zero1", "--parallel.optimizer_state=sharded"],
+                                     ["--parallel.strategy=fsdp", "--parallel.optimizer_state=sharded"]])
+def test_full_layout_optimizer_state_resumes_into_a_per_rank_layout(tmp_path, sharded):
+    """One optimizer.pt in the single-process layout loads into any strategy: a run that saves
+    per rank picks it up through the full path, and continues as the uninterrupted run does."""
+    import torch
+
+    from scratchlm.cli.train import run_training
+
+    full = ["--parallel.strategy=zero1", "--parallel.optimizer_state=full"]
+    run_training(_config(tmp_path, *full, "--trainer.max_steps=1"))
+    run_training(_config(tmp_path, *sharded, "--trainer.max_steps=2"), resume=True)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run_training(_config(straight, *full, "--trainer.max_steps=2"))
+    from safetensors.torch import load_file
+
+    resumed = load_file(tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors")
+    uninterrupted = load_file(straight / "run" / "checkpoints" / "step_000002" / "model.safetensors")
+    # the second update reads the first's moments: starting them from zero moves the weights elsewhere
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value)

@@ -167,8 +167,11 @@ class Strategy:
         """Optimizer state to checkpoint: see the module docstring for who gets what."""
         return optimizer.state_dict()
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None) -> None:
-        """Load what `optimizer_state_dict` returned (the full dict may be given on rank 0 only)."""
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *,
+                                  per_rank: bool | None = None) -> None:
+        """Load what `optimizer_state_dict` returned (the full dict may be given on rank 0 only).
+        ``per_rank``: whether `state_dict` is this rank's part (False: the single-process layout,
+        which every strategy loads); None: the layout this strategy saves."""
         optimizer.load_state_dict(self._everywhere(state_dict))
 
     # small collectives ----------------------------------------------------------------

@@ -633,9 +633,10 @@ class Trainer:
                             f"{self.cfg.data.train_path} holds {len(self.data.train_tokens):,}: resume with the "
                             "training file the run started with")
 
-    def _check_same_optimizer_layout(self, state: dict[str, Any], step_dir: Path) -> None:
+    def _check_same_optimizer_layout(self, state: dict[str, Any], step_dir: Path) -> bool:
         """Per-rank optimizer files load only into the strategy, `parallel.optimizer_state` and
-        number of ranks that wrote them: refuse another, naming what to resume with."""
+        number of ranks that wrote them: refuse another, naming what to resume with. Returns
+        whether the checkpoint's optimizer state is per rank (else any strategy loads it)."""
         saved = state.get("parallel")
         if saved is None:  # written before the layout was recorded: the step's config.toml names it
             from scratchlm.config import read_toml
@@ -646,7 +647,7 @@ class Trainer:
             saved = {"strategy": section.get("strategy"), "optimizer_state": section.get("optimizer_state", "full"),
                      "per_rank": (step_dir / "optimizer.rank1.pt").is_file()}
         if not saved["per_rank"]:
-            return  # one optimizer.pt in the single-process layout: any strategy and world size
+            return False  # one optimizer.pt in the single-process layout: any strategy and world size
         here = (self.strategy.name, self.cfg.parallel.optimizer_state, self.world_size)
         there = (saved["strategy"] or self.strategy.name, saved["optimizer_state"], state["world_size"])
         if here != there:
@@ -655,6 +656,7 @@ class Trainer:
                             f"--parallel.strategy={there[0]} --parallel.optimizer_state={there[1]} on {there[2]} "
                             f"ranks, not parallel.strategy={here[0]!r} with parallel.optimizer_state={here[1]!r} "
                             f"on {here[2]} ranks")
+        return True
 
     def _resume(self, step_dir: Path | None) -> None:
         from scratchlm.model.transformer import build_model
@@ -673,7 +675,7 @@ class Trainer:
             raise UserError(f"{step_dir} holds no training state (optimizer, data position, RNG): it was not "
                             "written by `scratchlm train` (e.g. the output of sft, grpo or dpo), so it cannot be "
                             "resumed; train into another trainer.out_dir")
-        self._check_same_optimizer_layout(state, step_dir)
+        per_rank = self._check_same_optimizer_layout(state, step_dir)
         self._check_same_stream(state["sampler"], step_dir)
         step, max_steps = int(state["step"]), self.cfg.trainer.max_steps
         if step > max_steps and not self._has_record("end", step):
@@ -690,7 +692,7 @@ class Trainer:
         # (weight decay, betas, eps, Muon's rate and momentum), which config.toml records, go back on.
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         try:
-            self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file))
+            self.strategy.load_optimizer_state_dict(self.optimizer, ckpt.read_torch(optim_file), per_rank=per_rank)
         except ValueError as exc:  # other parameter groups: the run's config.toml, compared first, may be missing
             raise UserError(f"{optim_file} does not fit this config's optimizer ({exc}); resume with the "
                             "optim.name and optim.decay_vectors the run trained with") from None

@@ -27,8 +27,9 @@ class ShardedStateStrategy(DistributedStrategy):
         state_dict = self.gather_optimizer_state(optimizer)  # a collective: every rank calls it
         return to_cpu(state_dict) if self.is_main else None
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None) -> None:
-        if self.optimizer_state_per_rank:
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *,
+                                  per_rank: bool | None = None) -> None:
+        if self.optimizer_state_per_rank if per_rank is None else per_rank:
             self.load_local_optimizer_state(optimizer, state_dict)
         else:
             self.scatter_optimizer_state(optimizer, self._everywhere(state_dict))
