@@ -70,6 +70,18 @@ class _CutWriter:
 
 
 @pytest.fixture
+def sigint_handled():
+    """SIGINT handled as Python's default (KeyboardInterrupt) for the test, whatever the runner
+    inherited: a non-interactive shell starts a background job with SIGINT ignored, and
+    `StopSignals` leaves an ignored signal ignored. Restored afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def cut_writes(monkeypatch):
     """`cut_writes(after=0)`: from then on, the writes of `scratchlm.fileio` (`write_text_atomic`,
     `atomic_open`) store half their data and fail, except the first `after` files, written whole."""

@@ -33,6 +33,8 @@ from scratchlm.align.sft import sft_train
 from scratchlm.align.task import ArithmeticTask
 from scratchlm.train.interrupt import TrainingInterrupted, stop_signals
 
+pytestmark = pytest.mark.usefixtures("sigint_handled")
+
 TEMPLATE = get_template("r1_zero")
 CONSTANT_LR = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)  # the same updates however long the run
 NO_REWARD = lambda response, truth: {"format_reward": 0.0, "answer_reward": 0.0, "reward": 0.0}  # noqa: E731

@@ -18,7 +18,7 @@ from scratchlm.train.interrupt import TrainingInterrupted, stop_signals
 from scratchlm.train.sweep import parse_grid, plan_sweep, point_status, run_sweep
 from tests.train.small_runs import losses, make_cfg
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "sigint_handled")
 
 
 @pytest.fixture
