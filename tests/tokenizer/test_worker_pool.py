@@ -59,7 +59,9 @@ def _start(tmp_path: Path, script: str) -> tuple[subprocess.Popen, list[int]]:
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(pids)], env=env)
+    # SIGINT back to its default: a shell starting the tests in the background ignores it
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(pids)], env=env,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while len(list(pids.iterdir())) < 2:
         if parent.poll() is not None or time.monotonic() > deadline:
