@@ -1,0 +1,98 @@
+"""The decode projection kernel (RMSNorm, matmul, SwiGLU gate, residual add in one) against the
+model's own modules and a float64 formula.
+
+On CPU these run the kernel under TRITON_INTERPRET=1 where triton is installed, else the op's
+torch path; `pytest -m gpu` runs the kernel on CUDA."""
+
+import pytest
+import torch
+
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear, decode_linear_reference
+from scratchlm.kernels.triton_support import interpreting, triton_available
+from scratchlm.model.functional import silu
+from scratchlm.model.layers import RMSNorm
+
+CASES = [  # (rows, K, N, norm, residual, gate_up)
+    (1, 48, 40, True, False, False),  # a norm and an odd number of outputs a program
+    (3, 80, 24, False, True, False),  # residual add, K not a multiple of the tile
+    (1, 64, 2 * 36, True, False, True),  # SwiGLU gate over stacked w1|w3
+    (5, 40, 2 * 20, True, True, True),  # everything at once, rows not a power of two
+    (MAX_ROWS, 32, 2100, False, False, False),  # the widest program, the most rows
+]
+
+
+def _tensors(rows, K, N, norm, residual, gate_up, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, K, generator=g) * 3).to(device=device, dtype=dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device=device, dtype=dtype)
+    nw = (1 + 0.3 * torch.randn(K, generator=g)).to(device=device, dtype=dtype) if norm else None
+    out_n = N // 2 if gate_up else N
+    r = torch.randn(rows, out_n, generator=g).to(device=device, dtype=dtype) if residual else None
+    return x, w, nw, r
+
+
+def _float64(x, w, nw, r, eps, gate_up):
+    """The same math in float64, each step as the model's modules do it."""
+    x, w = x.double(), w.double()
+    if nw is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+    y = x @ w.t()
+    if gate_up:
+        gate, up = y.chunk(2, dim=-1)
+        y = gate * torch.sigmoid(gate) * up
+    return y if r is None else y + r.double()
+
+
+def _check(device, dtype, atol):
+    for case in CASES:
+        x, w, nw, r = _tensors(*case, dtype, device)
+        got = decode_linear(x, w, nw, r, 1e-5, case[-1])
+        assert got.dtype == dtype and got.shape == (case[0], case[2] // 2 if case[-1] else case[2])
+        expected = _float64(x.cpu(), w.cpu(), None if nw is None else nw.cpu(), None if r is None else r.cpu(),
+                            1e-5, case[-1])
+        torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=atol, msg=str(case))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_decode_linear_equals_the_float64_formula(dtype, atol):
+    _check("cpu", dtype, atol)
+
+
+def test_the_reference_is_the_models_own_modules():
+    """RMSNorm, then a matmul, then silu(gate) · up or the residual add, as a pre-norm block runs them."""
+    x, w, nw, r = _tensors(3, 32, 2 * 16, True, True, True, torch.float32, "cpu")
+    norm = RMSNorm(32, eps=1e-6)
+    norm.weight.data.copy_(nw)
+    gate, up = (norm(x) @ w.t()).chunk(2, dim=-1)
+    torch.testing.assert_close(decode_linear_reference(x, w, nw, r, 1e-6, True), r + silu(gate) * up)
+
+
+def test_runs_the_kernel_where_it_can():
+    if not (triton_available() and interpreting()):
+        pytest.skip("the kernel runs on CUDA or under TRITON_INTERPRET=1 with triton installed")
+    from scratchlm.kernels import decode_linear_triton as mod
+
+    x, w, nw, r = _tensors(2, 40, 2 * 20, True, True, True, torch.float32, "cpu")
+    torch.testing.assert_close(mod._decode_linear_impl(x, w, nw, r, 1e-5, True),
+                               decode_linear_reference(x, w, nw, r, 1e-5, True), rtol=0, atol=1e-5)
+
+
+def test_more_rows_than_a_program_takes_use_the_torch_path():
+    x, w, nw, r = _tensors(MAX_ROWS + 1, 16, 8, True, True, False, torch.float32, "cpu")
+    torch.testing.assert_close(decode_linear(x, w, nw, r), decode_linear_reference(x, w, nw, r))
+
+
+def test_bad_shapes_are_refused():
+    x, w, nw, r = _tensors(2, 16, 8, True, True, False, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"x \(M, K\) and w \(N, K\)"):
+        decode_linear(x, w[:, :8])
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        decode_linear(x, w, nw[:8])
+    with pytest.raises(ValueError, match="residual must be"):
+        decode_linear(x, w, residual=r[:, :4])
+
+
+@pytest.mark.gpu
+def test_decode_linear_on_cuda():
+    _check("cuda", torch.bfloat16, 0.1)
+    _check("cuda", torch.float32, 1e-3)  # TF32-free float32 products, summed in another order
