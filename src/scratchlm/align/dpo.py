@@ -36,11 +36,13 @@ from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import response_log_probs, tokenize_prompt_and_output
 from scratchlm.align.policy import autocast_context
 from scratchlm.align.preferences import PreferencePair
+from scratchlm.align.resume import weights_digest
 from scratchlm.align.sft import (
     ContextFit,
     LogFn,
     LongWarmup,
     ReportFn,
+    StateFn,
     _bar,
     fit_warmup,
     learning_rate,
@@ -50,6 +52,7 @@ from scratchlm.align.sft import (
     schedule_length,
 )
 from scratchlm.errors import UserError
+from scratchlm.train.checkpoint import rng_state, set_rng_state
 from scratchlm.train.interrupt import StopSignals
 
 EncodedPair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejected ids
@@ -75,11 +78,16 @@ def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, ref_cho
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in eval mode whose parameters take no gradient: the DPO reference."""
-    reference = copy.deepcopy(model).eval()
-    for p in reference.parameters():
+    return freeze(copy.deepcopy(model))
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """`model` itself, in eval mode, its parameters taking no gradient (a reference loaded for the purpose)."""
+    model.eval()
+    for p in model.parameters():
         p.requires_grad_(False)
         p.grad = None
-    return reference
+    return model
 
 
 def fit_preference_pairs(policy: Any, pairs: Sequence[PreferencePair]) -> tuple[list[EncodedPair], ContextFit]:
@@ -195,6 +203,8 @@ def dpo_train(
     report: ReportFn | None = None,
     long_warmup: LongWarmup = "refuse",
     stop: StopSignals | None = None,
+    on_stop: StateFn | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Train `policy.model` with DPO on preference pairs; returns one metrics dict per step.
 
@@ -206,8 +216,11 @@ def dpo_train(
     context (`ContextFit.metrics`); `report`, when given, gets one line on the latter before
     training starts, if there are any. A warm-up not shorter than the run is handled as
     `long_warmup` says (`sft.fit_warmup`), before the reference is copied. Once `stop` has noted
-    a signal, the loop logs the row of the step it just took, without evaluation, and returns
-    (`scratchlm.align.interrupt`).
+    a signal, the loop logs the row of the step it just took, without evaluation, gives its
+    training state to `on_stop` (with the digest of the reference) and returns
+    (`scratchlm.align.interrupt`). Given that state as `resume`, with the policy as it stopped and
+    the starting policy as `reference`, the loop goes on as if it had not stopped: the evaluation
+    the stop skipped, the same batches after it; the history returned holds the rows before too.
     """
     model = policy.model
     data, fit = fit_preference_pairs(policy, pairs)
@@ -220,6 +233,8 @@ def dpo_train(
     batch = dpo.micro_batch_size * dpo.grad_accum_steps
     total, source = schedule_length(dpo.max_steps, dpo.num_epochs, len(data), batch, section="dpo")
     optim = fit_warmup(optim, total, source, long_warmup=long_warmup)
+    if reference is None and resume is not None:
+        raise ValueError("resuming DPO needs the starting policy as its reference")
     reference = frozen_copy(model) if reference is None else reference
     microbatches = _shuffled_microbatches(len(data), dpo.micro_batch_size, seed)
     optimizer = make_optimizer(model, optim)
@@ -232,11 +247,33 @@ def dpo_train(
                                        batch_size=dpo.micro_batch_size)
         return {f"eval_{k}": v for k, v in metrics.items()}
 
-    if held_out:
-        record({"phase": "dpo", "step": 0, **evaluate()})
+    def finish(step: int, row: dict[str, Any], stopping: bool) -> None:
+        """Evaluate when due (unless `stopping`), then log the row, or keep it between log lines."""
+        last = step == total
+        if held_out and not stopping and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
+            row.update(evaluate())
+        if last or stopping or "eval_loss" in row or (step - 1) % log_every == 0:
+            record(row)
+        else:
+            history.append(row)  # between log lines: in the history only
+
+    first = 1
+    if resume is None:
+        if held_out:
+            record({"phase": "dpo", "step": 0, **evaluate()})
+    else:
+        optimizer.load_state_dict(resume["optimizer"])
+        history.extend(resume["history"][:-1])
+        first = int(resume["step"])
+        set_rng_state(resume["rng"])
+        for _ in range(first * dpo.grad_accum_steps):
+            next(microbatches)  # those of the steps taken
+        finish(first, dict(resume["history"][-1]), False)  # its evaluation, which the stop skipped
+        first += 1
     model.train()
     bar = _bar(total, progress, desc="dpo")
-    for step in range(1, total + 1):
+    bar.update(first - 1)
+    for step in range(first, total + 1):
         sums = []
         for _ in range(dpo.grad_accum_steps):
             idx = next(microbatches)
@@ -250,19 +287,16 @@ def dpo_train(
         row = {"phase": "dpo", "step": step, **_mean_of_sums(sums, batch), "lr": lr, "grad_norm": norm}
         if step == 1:
             row.update(fit.metrics(), **eval_fit.metrics("eval_"))
-        last = step == total
         stopping = stop_requested(stop)  # (the caller then saves the policy, so no save_every save here)
-        if held_out and not stopping and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
-            row.update(evaluate())
-        if last or stopping or "eval_loss" in row or (step - 1) % log_every == 0:
-            record(row)
-        else:
-            history.append(row)  # between log lines: in the history only
-        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (last or stopping):
+        finish(step, row, stopping)
+        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (step == total or stopping):
             save(step)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['reward_accuracy']:.2f}")
         if stopping:
+            if on_stop is not None:
+                on_stop({"step": step, "optimizer": optimizer.state_dict(), "history": list(history),
+                         "rng": rng_state(), "reference": weights_digest(reference)})
             break
     bar.close()
     model.eval()

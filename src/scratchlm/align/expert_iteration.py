@@ -4,7 +4,8 @@ Each of `n_ei_steps` steps draws `questions_per_step` training questions, sample
 `group_size` responses to each at the rollout temperature, keeps the distinct responses with
 reward 1, and runs SFT (sft.py) on those (prompt, response) pairs. It is rejection-sampling
 fine-tuning: the policy only ever imitates its own verified successes, so it needs no
-reference solutions once it can solve some questions.
+reference solutions once it can solve some questions. A run stopped by a signal hands its state
+to `on_stop` (with its SFT's, when that stopped part-way) and goes on from it given as `resume`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from scratchlm.align.config import ExpertIterationConfig, OptimConfig, SamplingC
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.resume import restore_random
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
-from scratchlm.align.sft import LogFn, LongWarmup, eval_metrics, fit_warmup, recorder, schedule_length, sft_train
+from scratchlm.align.sft import (
+    LogFn, LongWarmup, StateFn, eval_metrics, fit_warmup, recorder, schedule_length, sft_train,
+)
 from scratchlm.errors import UserError
+from scratchlm.train.checkpoint import rng_state, set_rng_state
 from scratchlm.train.interrupt import StopSignals
 
 
@@ -78,6 +83,8 @@ def expert_iteration(
     progress: bool = False,
     long_warmup: LongWarmup = "refuse",
     stop: StopSignals | None = None,
+    on_stop: StateFn | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
 
@@ -85,8 +92,12 @@ def expert_iteration(
     Each step's SFT starts a fresh schedule (warm-up included) over that step's updates, which
     depend on how many responses it keeps; a warm-up not shorter than the most a step can take
     (`round_updates`) is handled as `long_warmup` says (`sft.fit_warmup`). Once `stop` has noted
-    a signal, the step in progress ends after its SFT's optimizer step in progress, and its row
-    (without evaluation) is the last (`scratchlm.align.interrupt`).
+    a signal, the step in progress ends after its SFT's optimizer step in progress, its row
+    (without evaluation) is the last, and the loop gives its training state to `on_stop` (with
+    the kept responses and the SFT's own state when it stopped part-way;
+    `scratchlm.align.interrupt`). Given that state as `resume`, with the policy as it stopped, the
+    loop goes on as if it had not stopped: the rest of the step's SFT, or the evaluation the stop
+    skipped, then the same samples after it; the history returned holds the rows before too.
     """
     check_train_examples(train_examples, ei)
     reward_fn = get_reward_fn(reward_fn)
@@ -96,41 +107,80 @@ def expert_iteration(
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
     record = recorder(history, log)
-    if evaluate is not None:
-        record({"phase": "ei", "step": 0, **eval_metrics(evaluate, 0)})
-    sft_steps = 0
-    for step in range(1, ei.n_ei_steps + 1):
-        questions = rng.sample(list(train_examples), ei.questions_per_step)
-        prompts = [template.format(q.question) for q in questions for _ in range(ei.group_size)]
-        truths = [q.answer for q in questions for _ in range(ei.group_size)]
-        t0 = time.perf_counter()
-        completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                      top_p=sampling.top_p, stop=template.stop, seed=rng.randrange(2**31),
-                                      batch_size=sampling.batch_size)
-        rollout_s = time.perf_counter() - t0
-        responses = [c.text for c in completions]
-        rewards = [reward_fn(r, t) for r, t in zip(responses, truths)]
-        kept = filter_rewarded(prompts, responses, rewards)
-        step_sft = SFTConfig(**{**vars(sft), "num_epochs": ei.sft_epochs, "max_steps": 0})
-        sft_history = sft_train(policy, kept, sft=step_sft, optim=optim, seed=rng.randrange(2**31),
-                                step_offset=sft_steps, progress=progress, long_warmup="keep", stop=stop)
-        sft_steps += len(sft_history)
-        generated = sum(c.num_tokens for c in completions)
+    step_sft = SFTConfig(**{**vars(sft), "num_epochs": ei.sft_epochs, "max_steps": 0})
+
+    def finish(step: int, row: dict[str, Any], *, evaluated: bool = False) -> bool:
+        """Evaluate (not once a signal came, nor twice), log the row; whether the step is evaluated."""
+        if evaluate is not None and not evaluated and not stop_requested(stop):
+            row.update(eval_metrics(evaluate, step))
+            evaluated = True
+        record(row)
+        return evaluated
+
+    def hand_over(step: int, sft_steps: int, evaluated: bool, partial: dict[str, Any] | None = None) -> None:
+        """Give `on_stop` the training state after `step` (`partial`: its SFT stopped part-way)."""
+        if on_stop is not None:
+            on_stop({"step": step, "sft_steps": sft_steps, "history": list(history), "round": partial,
+                     "evaluated": evaluated, "rollout_rng": rng.getstate(), "rng": rng_state()})
+
+    sft_steps, first = 0, 1
+    resumed = None  # the step stopped during its SFT: its kept pairs, rollout metrics and the SFT's state
+    if resume is None:
+        if evaluate is not None:
+            record({"phase": "ei", "step": 0, **eval_metrics(evaluate, 0)})
+    else:
+        restore_random(rng, resume["rollout_rng"])
+        set_rng_state(resume["rng"])
+        history.extend(resume["history"][:-1])
+        sft_steps, first, resumed = int(resume["sft_steps"]), int(resume["step"]), resume["round"]
+        if resumed is None:  # the step was whole: its evaluation, which the stop skipped, and its row are left
+            row = dict(resume["history"][-1])
+            evaluated = finish(first, row, evaluated=resume["evaluated"])
+            if stop_requested(stop):  # (a signal during that evaluation)
+                hand_over(first, sft_steps, evaluated)
+                return history
+            sft_steps += row["sft_steps"]
+            first += 1
+    for step in range(first, ei.n_ei_steps + 1):
+        if resumed is None:
+            questions = rng.sample(list(train_examples), ei.questions_per_step)
+            prompts = [template.format(q.question) for q in questions for _ in range(ei.group_size)]
+            truths = [q.answer for q in questions for _ in range(ei.group_size)]
+            t0 = time.perf_counter()
+            completions = policy.generate(prompts, max_new_tokens=sampling.max_new_tokens,
+                                          temperature=sampling.temperature, top_p=sampling.top_p, stop=template.stop,
+                                          seed=rng.randrange(2**31), batch_size=sampling.batch_size)
+            rollout_s = time.perf_counter() - t0
+            responses = [c.text for c in completions]
+            rewards = [reward_fn(r, t) for r, t in zip(responses, truths)]
+            kept = filter_rewarded(prompts, responses, rewards)
+            generated = sum(c.num_tokens for c in completions)
+            rollout = {
+                "rollout_reward": sum(r["reward"] for r in rewards) / len(rewards),
+                "rollout_format": sum(r["format_reward"] for r in rewards) / len(rewards),
+                "kept": len(kept),
+                "response_tokens_mean": generated / len(completions),
+                "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
+            }
+            sft_seed, sft_state = rng.randrange(2**31), None
+        else:
+            kept, rollout = [tuple(pair) for pair in resumed["kept"]], resumed["rollout"]
+            sft_seed, sft_state, resumed = resumed["sft_seed"], resumed["sft"], None
+        stopped_sft: list[dict[str, Any]] = []
+        sft_history = sft_train(policy, kept, sft=step_sft, optim=optim, seed=sft_seed, step_offset=sft_steps,
+                                progress=progress, long_warmup="keep", stop=stop, on_stop=stopped_sft.append,
+                                resume=sft_state)
         row = {
-            "phase": "ei", "step": step,
-            "rollout_reward": sum(r["reward"] for r in rewards) / len(rewards),
-            "rollout_format": sum(r["format_reward"] for r in rewards) / len(rewards),
-            "kept": len(kept),
-            "response_tokens_mean": generated / len(completions),
-            "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
+            "phase": "ei", "step": step, **rollout,
             "sft_steps": len(sft_history),
             "sft_loss": sft_history[-1]["loss"] if sft_history else float("nan"),
             "token_entropy": (sum(h["token_entropy"] for h in sft_history) / len(sft_history)
                               if sft_history else float("nan")),
         }
-        if evaluate is not None and not stop_requested(stop):
-            row.update(eval_metrics(evaluate, step))
-        record(row)
-        if stop_requested(stop):
+        evaluated = finish(step, row)
+        if stop_requested(stop):  # (a signal during the evaluation: no samples after it)
+            hand_over(step, sft_steps, evaluated, {"kept": kept, "rollout": rollout, "sft_seed": sft_seed,
+                                                   "sft": stopped_sft[0]} if stopped_sft else None)
             break
+        sft_steps += len(sft_history)
     return history

@@ -22,7 +22,9 @@ a group of responses to each), `score_rollouts` (rewards and advantages), `rollo
 (the token batch to train on), `update_policy` (the optimizer steps over that batch) and
 `step_metrics` (the logged row), with the held-out evaluation every `eval_every` steps. Each
 row also holds the wall seconds of its phases (`rollout_s`, `score_s`, `batch_s`, `update_s`
-and `eval_s` when it evaluated), so a run shows where its time goes.
+and `eval_s` when it evaluated), so a run shows where its time goes. A run stopped by a signal
+hands its state to `on_stop`, part-way through a step's updates if need be (`UpdateProgress`),
+and goes on from it given as `resume` (`scratchlm.align.resume`).
 
 There is no KL penalty against a reference model: with verifiable rewards and few steps the
 clip (or on-policy updates) keeps the policy close enough, and it saves a third model pass.
@@ -34,7 +36,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -52,12 +54,15 @@ from scratchlm.align.logprobs import (
 )
 from scratchlm.align.policy import Completion, autocast_context
 from scratchlm.align.prompts import PromptTemplate
+from scratchlm.align.resume import restore_random
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
-    LogFn, LongWarmup, _bar, eval_metrics, fit_warmup, learning_rate, make_optimizer, optimizer_step, recorder,
+    LogFn, LongWarmup, StateFn, _bar, eval_metrics, fit_warmup, learning_rate, make_optimizer, optimizer_step,
+    recorder,
 )
 from scratchlm.errors import UserError
+from scratchlm.train.checkpoint import rng_state, set_rng_state
 from scratchlm.train.interrupt import StopSignals
 
 
@@ -302,6 +307,16 @@ class Rollouts:
     completions: list[Completion]
     seconds: float  # wall time of generation
 
+    def state_dict(self) -> dict[str, Any]:
+        """The batch as plain values, for a saved training state."""
+        return {"prompts": self.prompts, "truths": self.truths, "seconds": self.seconds,
+                "completions": [asdict(c) for c in self.completions]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Rollouts:
+        return cls(state["prompts"], state["truths"], [Completion(**c) for c in state["completions"]],
+                   state["seconds"])
+
 
 def check_train_examples(train_examples: Sequence[MathExample], grpo: GRPOConfig) -> None:
     """UserError when there are fewer questions than one rollout batch draws (`rollout_batch_size / group_size`)."""
@@ -357,6 +372,28 @@ def rollout_batch(policy: Any, rollouts: Rollouts) -> tuple[dict[str, Tensor], f
     return {k: v.to(policy.device) for k, v in batch.items()}, retokenized
 
 
+@dataclass
+class UpdateProgress:
+    """How far the optimizer updates over one rollout batch have gone (`update_policy`), so that a
+    GRPO step stopped between two of them can be saved and taken up again."""
+
+    taken: int = 0  # optimizer updates taken over the batch
+    order: Tensor | None = None  # the row permutation of the pass in progress, (rollout_batch_size,)
+    old: Tensor | None = None  # grpo_clip: log-probs (N, T) under the policy that sampled the rollouts
+    lr: float = 0.0  # of the last update
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("loss", "token_entropy", "clip_fraction", "grad_norm"), 0.0))
+
+    def state_dict(self) -> dict[str, Any]:
+        old = None if self.old is None else self.old.cpu()
+        return {"taken": self.taken, "order": self.order, "old": old, "lr": self.lr, "sums": dict(self.sums)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> UpdateProgress:
+        old = None if state["old"] is None else state["old"].to(device)
+        return cls(state["taken"], state["order"], old, state["lr"], dict(state["sums"]))
+
+
 def update_policy(
     policy: Any,
     optimizer: torch.optim.Optimizer,
@@ -371,45 +408,44 @@ def update_policy(
     total_updates: int,
     rng: random.Random,
     stop: StopSignals | None = None,
+    progress: UpdateProgress | None = None,
 ) -> tuple[dict[str, float], float, int]:
     """`epochs_per_rollout_batch` passes of optimizer steps over one scored rollout batch.
 
     Advantages and raw rewards are (N, 1) on the policy's device. Each pass shuffles the rows
-    (with a seed drawn from `rng`) into optimizer steps of `train_batch_size` rows, each
-    accumulated over `grad_accum_steps` microbatches. Returns (loss, token entropy, clip
-    fraction and gradient norm averaged over the optimizer steps; the last learning rate;
-    the number of optimizer steps taken). Once `stop` has noted a signal, no step follows the
-    one in progress (`scratchlm.align.interrupt`).
+    (with a seed drawn from `rng` when it starts) into optimizer steps of `train_batch_size` rows,
+    each accumulated over `grad_accum_steps` microbatches; `first_update` is the number of updates
+    of the run before this batch (the schedule's position). Returns (loss, token entropy, clip
+    fraction and gradient norm averaged over the optimizer steps; the last learning rate; the
+    number of optimizer steps taken). Once `stop` has noted a signal, no step follows the one in
+    progress (`scratchlm.align.interrupt`). `progress`, when given, is kept up to date as the
+    updates go, and one saved from a step stopped part-way takes its updates up where they stopped.
     """
     model = policy.model
     micro = grpo.train_batch_size // grpo.grad_accum_steps
+    size, per_pass = grpo.train_batch_size, grpo.rollout_batch_size // grpo.train_batch_size
+    progress = UpdateProgress() if progress is None else progress
     model.train()
     log_probs = log_probs_fn(grpo.compile)
-    old = _sequence_log_probs(policy, batch, micro, log_probs) if grpo.loss_type == "grpo_clip" else None
-    sums = {"loss": 0.0, "token_entropy": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
-    n_updates = 0
-    for rows in _update_rows(grpo, rng):
+    if grpo.loss_type == "grpo_clip" and progress.old is None:
+        progress.old = _sequence_log_probs(policy, batch, micro, log_probs)
+    while progress.taken < grpo.epochs_per_rollout_batch * per_pass:
+        b = progress.taken % per_pass
+        if b == 0:  # a pass starts: a fresh permutation of the batch
+            seed = rng.randrange(2**31)
+            progress.order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(seed))
+        rows = progress.order[b * size:(b + 1) * size]
         for m in range(grpo.grad_accum_steps):
             idx = rows[m * micro:(m + 1) * micro].to(policy.device)
-            _microbatch_backward(model, batch, idx, advantages, raw_rewards, old, grpo, normalize_constant, sums,
-                                 log_probs)
-        lr = learning_rate(first_update + n_updates, total_updates, optim)
-        sums["grad_norm"] += optimizer_step(model, optimizer, lr, optim.max_grad_norm)
-        n_updates += 1
+            _microbatch_backward(model, batch, idx, advantages, raw_rewards, progress.old, grpo, normalize_constant,
+                                 progress.sums, log_probs)
+        progress.lr = learning_rate(first_update + progress.taken, total_updates, optim)
+        progress.sums["grad_norm"] += optimizer_step(model, optimizer, progress.lr, optim.max_grad_norm)
+        progress.taken += 1
         if stop_requested(stop):
             break
     model.eval()
-    return {k: v / n_updates for k, v in sums.items()}, lr, n_updates
-
-
-def _update_rows(grpo: GRPOConfig, rng: random.Random) -> Iterator[Tensor]:
-    """The rows (train_batch_size,) of each optimizer step over a rollout batch: every pass a fresh
-    permutation of the batch, seeded from `rng` when the pass starts."""
-    size = grpo.train_batch_size
-    for _ in range(grpo.epochs_per_rollout_batch):
-        order = torch.randperm(grpo.rollout_batch_size, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
-        for b in range(grpo.rollout_batch_size // size):
-            yield order[b * size:(b + 1) * size]
+    return {k: v / progress.taken for k, v in progress.sums.items()}, progress.lr, progress.taken
 
 
 def _microbatch_backward(
@@ -469,6 +505,8 @@ def grpo_train(
     progress: bool = False,
     long_warmup: LongWarmup = "refuse",
     stop: StopSignals | None = None,
+    on_stop: StateFn | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
@@ -478,8 +516,12 @@ def grpo_train(
     its dict is merged into that step's metrics under ``eval_*`` keys. A warm-up not shorter
     than the run's updates is handled as `long_warmup` says (`sft.fit_warmup`), except in a
     time-limited run, whose length is not known in advance. Once `stop` has noted a signal, the
-    step in progress ends after its optimizer step in progress, and its row (averaging the updates
-    it took, without evaluation) is the last (`scratchlm.align.interrupt`).
+    step in progress ends after its optimizer step in progress, its row (averaging the updates
+    it took, without evaluation) is the last, and the loop gives its training state to `on_stop`
+    (with the rollouts and the updates of a step stopped part-way; `scratchlm.align.interrupt`).
+    Given that state as `resume`, with the policy as it stopped, the loop goes on as if it had not
+    stopped: the rest of the step's updates, or the evaluation the stop skipped, then the same
+    rollouts after it; the history returned holds the rows before too, and ``elapsed_s`` counts on.
     """
     check_train_examples(train_examples, grpo)
     reward_fn = get_reward_fn(reward_fn)
@@ -488,42 +530,87 @@ def grpo_train(
     rng = random.Random(seed)
     optimizer = make_optimizer(policy.model, optim)
     normalize_constant = grpo.normalize_constant or float(sampling.max_new_tokens)
+    per_step = grpo.epochs_per_rollout_batch * (grpo.rollout_batch_size // grpo.train_batch_size)
     history: list[dict[str, Any]] = []
     record = recorder(history, log)
-    if evaluate is not None:
-        record({"phase": "grpo", "step": 0, **eval_metrics(evaluate, 0)})
-    update = 0
     bar = _bar(grpo.n_grpo_steps, progress, desc="grpo")
-    started = time.perf_counter()
-    for step in range(1, grpo.n_grpo_steps + 1):
+
+    def finish(step: int, row: dict[str, Any], clock: PhaseClock, *, evaluated: bool = False) -> tuple[bool, bool]:
+        """Evaluate when due (not once a signal came, nor twice), log the row; (whether the run ends
+        here, out of time or at its last step; whether the step is evaluated)."""
+        out_of_time = bool(grpo.max_seconds) and row["elapsed_s"] >= grpo.max_seconds
+        last = step == grpo.n_grpo_steps or out_of_time
+        due = evaluate is not None and not evaluated and (last or (grpo.eval_every and step % grpo.eval_every == 0))
+        if due and not stop_requested(stop):
+            with clock("eval_s"):
+                row.update(eval_metrics(evaluate, step))
+            evaluated = True
+        row.update(clock.seconds)
+        record(row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
+        return out_of_time, evaluated
+
+    def hand_over(step: int, elapsed: float, evaluated: bool, updates: UpdateProgress | None = None,
+                  rollouts: Rollouts | None = None) -> None:
+        """Give `on_stop` the training state after `step` (stopped part-way with `updates` of `rollouts`)."""
+        if on_stop is None:
+            return
+        state = {"step": step, "update": update, "optimizer": optimizer.state_dict(), "history": list(history),
+                 "evaluated": evaluated, "elapsed_s": elapsed, "rollout_rng": rng.getstate(), "rng": rng_state()}
+        if updates is not None and updates.taken < per_step:
+            state["partial"] = {"rollouts": rollouts.state_dict(), **updates.state_dict()}
+        on_stop(state)
+
+    update, first, started = 0, 1, time.perf_counter()
+    resumed: UpdateProgress | None = None  # the updates of a step stopped part-way
+    if resume is None:
+        if evaluate is not None:
+            record({"phase": "grpo", "step": 0, **eval_metrics(evaluate, 0)})
+    else:
+        optimizer.load_state_dict(resume["optimizer"])
+        restore_random(rng, resume["rollout_rng"])
+        set_rng_state(resume["rng"])
+        history.extend(resume["history"][:-1])
+        update, first, started = int(resume["update"]), int(resume["step"]), started - resume["elapsed_s"]
+        bar.update(first - 1)
+        partial = resume.get("partial")
+        if partial is None:  # the step was whole: its evaluation, if the stop skipped it, and its row are left
+            row = dict(resume["history"][-1])
+            ends, evaluated = finish(first, row, PhaseClock(), evaluated=resume["evaluated"])
+            if stop_requested(stop):  # (a signal during that evaluation)
+                hand_over(first, row["elapsed_s"], evaluated)
+                ends = True
+            first = grpo.n_grpo_steps + 1 if ends else first + 1
+        else:
+            resumed = UpdateProgress.from_state(partial, policy.device)
+            rollouts = Rollouts.from_state(partial["rollouts"])
+    for step in range(first, grpo.n_grpo_steps + 1):
         clock = PhaseClock()
-        with clock("rollout_s"):
-            rollouts = sample_rollouts(policy, train_examples, template=template, grpo=grpo, sampling=sampling,
-                                       rng=rng)
+        updates = resumed if resumed is not None else UpdateProgress()
+        if resumed is None:
+            with clock("rollout_s"):
+                rollouts = sample_rollouts(policy, train_examples, template=template, grpo=grpo, sampling=sampling,
+                                           rng=rng)
+        resumed = None
         with clock("score_s"):
             advantages, raw, reward_meta = score_rollouts(rollouts, reward_fn, grpo)
         with clock("batch_s"):
             batch, retokenized = rollout_batch(policy, rollouts)
+        before = update - updates.taken  # the updates of the steps before this one
         with clock("update_s"):
             update_meta, lr, n_updates = update_policy(
                 policy, optimizer, batch, advantages.to(policy.device)[:, None], raw.to(policy.device)[:, None],
-                grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=update,
-                total_updates=total_updates, rng=rng, stop=stop)
-        update += n_updates
+                grpo=grpo, optim=optim, normalize_constant=normalize_constant, first_update=before,
+                total_updates=total_updates, rng=rng, stop=stop, progress=updates)
+        update = before + n_updates
         row = step_metrics(step, lr, update_meta, reward_meta, rollouts, retokenized)
         row["elapsed_s"] = time.perf_counter() - started  # GRPO wall time so far, evaluations included
-        out_of_time = bool(grpo.max_seconds) and row["elapsed_s"] >= grpo.max_seconds
-        last = step == grpo.n_grpo_steps or out_of_time
-        if (evaluate is not None and not stop_requested(stop)
-                and (last or (grpo.eval_every and step % grpo.eval_every == 0))):
-            with clock("eval_s"):
-                row.update(eval_metrics(evaluate, step))
-        row.update(clock.seconds)
-        record(row)
-        bar.update(1)
-        bar.set_postfix(reward=f"{reward_meta['reward_mean']:.3f}")
-        if out_of_time or stop_requested(stop):  # (a signal during the evaluation: no rollouts after it)
+        ends, evaluated = finish(step, row, clock)
+        if stop_requested(stop):  # (a signal during the evaluation: no rollouts after it)
+            hand_over(step, row["elapsed_s"], evaluated, updates, rollouts)
+            break
+        if ends:
             break
     bar.close()
     return history
-

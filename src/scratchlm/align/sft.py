@@ -35,9 +35,11 @@ from scratchlm.align.logprobs import (
 )
 from scratchlm.align.policy import autocast_context
 from scratchlm.errors import UserError
+from scratchlm.train.checkpoint import rng_state, set_rng_state
 from scratchlm.train.interrupt import StopSignals
 
 LogFn = Callable[[dict[str, Any]], None]
+StateFn = Callable[[dict[str, Any]], None]  # a loop's on_stop: takes its training state (scratchlm.align.resume)
 ReportFn = Callable[[str], None]
 EvaluateFn = Callable[[int], dict[str, Any]]
 PACK_MULTIPLE = 64  # default packed windows (sft.pack_length = 0) are a whole number of 64-token blocks
@@ -228,24 +230,34 @@ def packed_sft_dataset(policy: Any, pairs: Sequence[tuple[str, str]], *, sft: SF
                          pad_last=True, pad_id=policy.pad_id, seed=seed)
 
 
-def _padded_microbatches(policy: Any, data: list[tuple[list[int], list[int]]], size: int,
-                         seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Microbatches of `size` pairs, right-padded, in a fresh shuffle of the pairs each pass."""
+def _padded_microbatches(policy: Any, data: list[tuple[list[int], list[int]]], size: int, seed: int, *,
+                         skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Microbatches of `size` pairs, right-padded, in a fresh shuffle of the pairs each pass; the
+    first `skip` are drawn but not built (those a resumed run trained on before it stopped)."""
     rng = random.Random(seed)
     order: list[int] = []
+    drawn = 0
     while True:
         if len(order) < size:
             fresh = list(range(len(data)))
             rng.shuffle(fresh)
             order += fresh
         idx, order = order[:size], order[size:]
+        drawn += 1
+        if drawn <= skip:
+            continue
         batch = tokenize_prompt_and_output([data[i][0] for i in idx], [data[i][1] for i in idx], policy.pad_id)
         yield {k: v.to(policy.device) for k, v in batch.items()}
 
 
-def _packed_microbatches(data: Any, size: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Microbatches of `size` packed windows, epoch after epoch (a microbatch may span two)."""
-    stream = data.index_stream()
+def _packed_microbatches(data: Any, size: int, device: torch.device, *,
+                         skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Microbatches of `size` packed windows, epoch after epoch (a microbatch may span two), from
+    the `skip`-th on (each epoch's order depends on the epoch alone, so the stream starts there)."""
+    epoch, offset = divmod(skip * size, len(data))
+    stream = data.index_stream(epoch)
+    for _ in range(offset):
+        next(stream)
     while True:
         x, y, mask = data.batch([next(stream) for _ in range(size)], device)
         yield {"input_ids": x, "labels": y, "response_mask": mask}
@@ -265,6 +277,8 @@ def sft_train(
     evaluate: EvaluateFn | None = None,
     long_warmup: LongWarmup = "refuse",
     stop: StopSignals | None = None,
+    on_stop: StateFn | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step.
 
@@ -274,8 +288,11 @@ def sft_train(
     not shorter than the run is then handled as `long_warmup` says (`fit_warmup`). Then
     `evaluate`, when given, runs on the starting policy: its results go to `log` as the
     ``eval_*`` keys of a row for step `step_offset`, which the returned history leaves out.
-    Once `stop` has noted a signal, the loop logs the row of the step it just took and returns
-    (`scratchlm.align.interrupt`).
+    Once `stop` has noted a signal, the loop logs the row of the step it just took, gives its
+    training state to `on_stop` and returns (`scratchlm.align.interrupt`). Given that state as
+    `resume` (with the policy as it stopped), the loop goes on from there as if it had not stopped:
+    no starting evaluation, the row of the step it stopped at logged if an uninterrupted run logs
+    it, the same batches after it; the history returned holds the rows of the steps before too.
     """
     model = policy.model
     if not pairs:
@@ -283,29 +300,44 @@ def sft_train(
     if sft.packed:
         packed = packed_sft_dataset(policy, pairs, sft=sft, seed=seed)
         fit = ContextFit(len(pairs), context_length=policy.context_length)
-        items, microbatches = len(packed), _packed_microbatches(packed, sft.micro_batch_size, policy.device)
+        items = len(packed)
     else:
         data, fit = fit_pairs(policy, pairs)
         if not data:  # a silent no-op would save the starting policy as the fine-tuned one
             raise UserError(f"no SFT pair fits the model's context of {policy.context_length} tokens (every "
                             "prompt fills it); use a model with a longer context or shorter prompts")
-        items, microbatches = len(data), _padded_microbatches(policy, data, sft.micro_batch_size, seed)
+        items = len(data)
     note = fit.describe()
     if report is not None and note:
         report(f"sft: {note}")
     total, source = schedule_length(sft.max_steps, sft.num_epochs, items, sft.micro_batch_size * sft.grad_accum_steps,
                                     section="sft", what="packed windows" if sft.packed else "pairs")
     optim = fit_warmup(optim, total, source, long_warmup=long_warmup)
-    if evaluate is not None:
+    if evaluate is not None and resume is None:
         start = {"phase": "sft", "step": step_offset, **eval_metrics(evaluate, step_offset)}
         if log is not None:
             log(start)
     optimizer = make_optimizer(model, optim)
     normalize_constant = sft.normalize_constant or None
-    history = []
+    history: list[dict[str, Any]] = []
+    first = 0
+
+    def logs(step: int) -> bool:  # whether the row of `step` (0-based) goes to `log`
+        return step % max(sft.log_every, 1) == 0 or step == total - 1
+
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        history, first = list(resume["history"]), int(resume["step"])
+        set_rng_state(resume["rng"])
+        if log is not None and logs(first - 1):  # (the row the stop logged was dropped from the metrics)
+            log(history[-1])
+    skip = first * sft.grad_accum_steps
+    microbatches = (_packed_microbatches(packed, sft.micro_batch_size, policy.device, skip=skip) if sft.packed
+                    else _padded_microbatches(policy, data, sft.micro_batch_size, seed, skip=skip))
     model.train()
     bar = _bar(total, progress)
-    for step in range(total):
+    bar.update(first)
+    for step in range(first, total):
         loss_sum, entropy_sum, tokens = 0.0, 0.0, 0.0
         for _ in range(sft.grad_accum_steps):
             batch_t = next(microbatches)
@@ -322,11 +354,14 @@ def sft_train(
                "token_entropy": entropy_sum, "response_tokens": tokens, **(fit.metrics() if step == 0 else {})}
         history.append(row)
         stopping = stop_requested(stop)
-        if log is not None and (step % max(sft.log_every, 1) == 0 or step == total - 1 or stopping):
+        if log is not None and (logs(step) or stopping):
             log(row)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
         if stopping:
+            if on_stop is not None:
+                on_stop({"step": step + 1, "optimizer": optimizer.state_dict(), "history": list(history),
+                         "rng": rng_state()})
             break
     bar.close()
     model.eval()
