@@ -1,8 +1,9 @@
 """SIGINT and SIGTERM during post-training: each loop finishes the optimizer step in progress,
 logs its row without the evaluations still due and returns; `run_interruptible` then saves the
-policy, logs the record of the stop and raises. The signals are real (raised in this process from
-inside the loops), so the handlers installed are what runs. The commands, in a real process, are
-tested in tests/cli/test_align_interrupt.py."""
+policy (and the training state the loop handed over), logs the record of the stop and raises. The
+signals are real (raised in this process from inside the loops), so the handlers installed are
+what runs. The commands, in a real process, are tested in tests/cli/test_align_interrupt.py;
+resuming in tests/align/test_resume.py."""
 
 from __future__ import annotations
 
@@ -105,6 +106,32 @@ def test_a_signal_saves_the_policy_at_the_last_step_logs_the_stop_and_raises(las
                         + "; continue from it with --policy.path=runs/g/policy and another --run.out_dir "
                           "(the optimizer and schedule start afresh)")
     assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_a_signal_saves_the_training_state_the_loop_kept_and_names_the_command_that_resumes(tmp_path):
+    from scratchlm.align.config import GRPORunConfig
+    from scratchlm.align.resume import ResumePoint
+
+    policy, logged = SavingPolicy(), []
+    policy.model = torch.nn.Linear(2, 2)
+    point = ResumePoint(tmp_path, command="grpo", config=GRPORunConfig(), data=[], argv=["align-grpo", "--x.y=a b"])
+
+    def train(stop):
+        signal.raise_signal(signal.SIGINT)
+        point.keep({"step": 3, "history": [{"phase": "grpo", "step": 3}]})  # (the loop's on_stop)
+        return [{"phase": "grpo", "step": 3}]
+
+    with pytest.raises(TrainingInterrupted) as info:
+        run_interruptible(train, phase="grpo", policy=policy, out=tmp_path / "policy", log=logged.append,
+                          evaluation="eval_accuracy", resume=point)
+    assert policy.saved == [(tmp_path / "policy", 3)]
+    assert logged == [{"phase": "grpo", "step": 3, "interrupted": "SIGINT"}]
+    assert str(info.value) == (f"interrupted by SIGINT at step 3; policy saved to {tmp_path / 'policy'} (its final "
+                               f"evaluation skipped) and its training state to {tmp_path / 'resume'}; resume with: "
+                               "scratchlm grpo align-grpo '--x.y=a b' --resume")
+    saved = point.read()
+    assert saved.step == 3 and saved.loop["history"] == [{"phase": "grpo", "step": 3}]
+    saved.check_policy(policy, tmp_path / "policy")
 
 
 def test_a_second_signal_stops_at_once_without_saving():

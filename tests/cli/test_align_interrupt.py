@@ -1,12 +1,15 @@
 """`scratchlm sft | grpo | dpo` in a real process stopped by Ctrl-C (SIGINT) or SIGTERM: the policy
-trained so far is saved where the end of the run saves it, a last metrics record says where it
-stopped, the process exits 130 / 143 with one line naming the policy, and a new run continues from
-it. (The loops' side is tested in-process in tests/align/test_interrupt.py.)"""
+trained so far is saved where the end of the run saves it, with the training state, a last metrics
+record says where it stopped, the process exits 130 / 143 with one line naming the policy and the
+command that resumes the run, and that command continues it. (The loops' side is tested in-process
+in tests/align/test_interrupt.py; resuming exactly in tests/align/test_resume.py and
+tests/cli/test_align_resume.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 from pathlib import Path
@@ -14,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from scratchlm.align import dpo as dpo_module
+from scratchlm.align import grpo as grpo_module
+from scratchlm.align import sft as sft_module
 from scratchlm.align.policy import load_policy
 from scratchlm.cli import main
 from tests.cli.processes import EXIT_TIMEOUT_S, scratchlm_process, wait_until
@@ -37,8 +43,8 @@ RUNS = {
 }
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+def _metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines() if line.endswith("}")]
 
 
 def _wait_until_training(proc: subprocess.Popen, out: Path) -> None:
@@ -53,8 +59,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("command, signum", [("sft", signal.SIGINT), ("grpo", signal.SIGTERM), ("dpo", signal.SIGINT)],
                          ids=["sft-SIGINT", "grpo-SIGTERM", "dpo-SIGINT"])
+@pytest.mark.usefixtures("sigint_handled")  # (for the resumed run, stopped in this process)
 def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_signal_code(tiny_policy, tmp_path,
-                                                                                       command, signum):
+                                                                                       monkeypatch, command, signum):
     base = tmp_path / "base"
     tiny_policy.save(base)
     out = tmp_path / command
@@ -67,14 +74,16 @@ def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_si
     stderr = (tmp_path / "stderr.txt").read_text()
     name = signal.Signals(signum).name
     assert returncode == 128 + signum, stderr
-    assert f"received {name}: stopping after this optimizer step, once the policy is saved" in stderr
+    assert f"received {name}: stopping after this optimizer step, once the policy and its training state are saved" \
+        in stderr
+    args = [command, preset, f"--policy.path={base}", f"--run.out_dir={out}", *options]
     match = re.fullmatch(rf"scratchlm {command}: interrupted by {name} at step (\d+); policy saved to (.+) \(its "
-                         rf"final evaluation skipped\); continue from it with --policy\.path=(.+) and another "
-                         rf"--run\.out_dir \(the optimizer and schedule start afresh\)",
+                         rf"final evaluation skipped\) and its training state to (.+); resume with: (.+)",
                          stderr.strip().splitlines()[-1])
     assert match, stderr
     step, saved = int(match[1]), Path(match[2])
-    assert saved == Path(match[3]) == out / "policy"
+    assert saved == out / "policy" and Path(match[3]) == out / "resume"
+    assert match[4] == shlex.join(["scratchlm", *args, "--resume"])
 
     # The step it stopped at is whole and logged, without the evaluation of the end; then the record of the stop.
     rows = _metrics(out)
@@ -83,12 +92,27 @@ def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_si
     assert [r["step"] for r in rows if evaluated in r] == [0]
     assert not (out / f"eval_step_{step}.jsonl").exists()
 
-    # The policy saved is the trained one, and a new run starts from it.
+    # The policy saved is the trained one.
     assert (saved / "checkpoints" / f"step_{step:06d}").is_dir()
     assert load_policy(saved).model_config == tiny_policy.model_config
     start, trained = _weights(base), _weights(saved)
     assert start.keys() == trained.keys() and not all(torch.equal(start[k], trained[k]) for k in start)
-    one_step = {"sft": "--sft.max_steps=1", "grpo": "--grpo.n_grpo_steps=1", "dpo": "--dpo.max_steps=1"}[command]
-    assert main([command, preset, f"--policy.path={saved}", f"--run.out_dir={tmp_path / 'more'}", *options,
-                 one_step]) == 0
-    assert (tmp_path / "more" / "policy").is_dir()
+
+    # The command it names continues the run: stopped again (in this process) after one more optimizer step,
+    # its metrics go on from the step it stopped at, the first stop's records set aside.
+    module = {"sft": sft_module, "grpo": grpo_module, "dpo": dpo_module}[command]
+    real = module.optimizer_step
+
+    def one_more(*a, **kw):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "optimizer_step", one_more)
+    assert main(shlex.split(match[4])[1:]) == 130
+    rows = _metrics(out)
+    again = rows[-1]["step"]  # (a GRPO step stopped between its two updates ends with its second: stopped again there)
+    assert again == step + 1 or (command == "grpo" and again == step)
+    assert [r["step"] for r in rows if "interrupted" in r] == [again] and rows[-2]["step"] == again
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == again
+    assert {"phase": phase, "step": step, "interrupted": name} in _metrics(out, "metrics.dropped.jsonl")

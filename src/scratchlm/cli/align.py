@@ -4,9 +4,13 @@ The training commands read a TOML preset (``configs/align-*.toml``) with dotted 
 write the resolved config, ``metrics.jsonl``, one ``eval_step_N.jsonl`` per evaluation and
 the final policy (``policy/``, a run directory or a Hugging Face directory) into
 ``run.out_dir``. Ctrl-C (SIGINT) or SIGTERM stops them after the optimizer step in progress
-with that policy saved (`scratchlm.align.interrupt`); they exit with 130 or 143.
+with that policy and the training state (``resume/``) saved (`scratchlm.align.interrupt`); they
+exit with 130 or 143, and the same command with ``--resume`` continues the run as if it had not
+stopped (`scratchlm.align.resume`). Without ``--resume`` a command run again into the same
+``run.out_dir`` starts afresh.
 
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
+    scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k --resume
     scratchlm grpo align-grpo --policy.path=runs/align-sft/policy
     scratchlm dpo dpo --policy.path=runs/align-sft/policy --data.train_path=pairs.jsonl
     scratchlm eval-math runs/align-grpo/policy --dataset gsm8k --limit 200 --out results.jsonl
@@ -28,12 +32,21 @@ log = logging.getLogger("scratchlm.align")
 
 
 class MetricsWriter:
-    """Appends metric dicts to ``metrics.jsonl`` and logs a short line for each."""
+    """Appends metric dicts to ``metrics.jsonl`` and logs a short line for each.
 
-    def __init__(self, out_dir: Path) -> None:
+    A rerun into the same folder starts the file afresh; a resumed run (`resumed_at`, the step it
+    stopped at) keeps the records of the steps before and moves the others (the row of that step,
+    the record of the stop) to ``metrics.dropped.jsonl``: the resumed run logs that step again."""
+
+    def __init__(self, out_dir: Path, *, resumed_at: int | None = None) -> None:
+        from scratchlm.train.metrics import truncate_metrics
+
         self.path = out_dir / "metrics.jsonl"
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("", encoding="utf-8")  # a rerun into the same folder starts afresh
+        if resumed_at is None:
+            self.path.write_text("", encoding="utf-8")
+        else:
+            truncate_metrics(self.path, resumed_at - 1)
 
     def __call__(self, row: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as f:
@@ -48,15 +61,21 @@ class MetricsWriter:
 
 
 def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str, description: str):
+    """(config, how a long warm-up is taken (`_long_warmup`), whether --resume was given)."""
     from scratchlm.config import load_config, split_overrides
 
     positional, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(prog=f"scratchlm {prog}", description=description,
-                                     epilog="Override any config field with --section.key=value.")
+                                     epilog="Override any config field with --section.key=value. Ctrl-C or SIGTERM "
+                                            "stops after the optimizer step in progress, saving the policy and the "
+                                            "training state; --resume continues from there.")
     parser.add_argument("config", nargs="?", default=default_preset,
                         help=f"TOML preset (path or name in configs/; default {default_preset})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the interrupted run in run.out_dir as if it had not stopped (same config)")
     args = parser.parse_args(positional)
-    return load_config(config_cls, args.config, overrides), _long_warmup(args.config, default_preset, overrides)
+    cfg = load_config(config_cls, args.config, overrides)
+    return cfg, _long_warmup(args.config, default_preset, overrides), args.resume
 
 
 def _long_warmup(preset: str, default_preset: str, overrides: Sequence[str]) -> str:
@@ -95,11 +114,13 @@ def _check_out_dir(out_dir: Path) -> None:
                         "metrics.jsonl would be overwritten; choose another run.out_dir")
 
 
-def _start(cfg: Any, check: Callable[[Any], None] | None = None):
+def _start(cfg: Any, check: Callable[[Any], None] | None = None, *, point: Any = None, state: Any = None):
     """Seed, policy, then the output folder with the resolved config (a bad policy writes nothing).
 
     `check(policy)`, when given, runs before anything is written: what it refuses leaves
-    run.out_dir as it was."""
+    run.out_dir as it was. `point` is the run's `ResumePoint`: with the `state` it read (--resume),
+    the policy comes from run.out_dir/policy, checked to be the one saved with that state; without
+    one, a state left by an interrupted run is discarded (the run starts afresh)."""
     import torch
 
     from scratchlm.align.policy import load_policy
@@ -116,11 +137,15 @@ def _start(cfg: Any, check: Callable[[Any], None] | None = None):
         # policy/ is rewritten (and its older steps pruned): the starting model would be lost.
         raise UserError(f"policy.path {cfg.policy.path} is inside {out_dir / 'policy'}, where this run saves its "
                         "policy over it; choose another run.out_dir")
-    policy = load_policy(cfg.policy.path, resolve_device(cfg.policy.device))
+    policy = load_policy(cfg.policy.path if state is None else out_dir / "policy", resolve_device(cfg.policy.device))
+    if state is not None:
+        state.check_policy(policy, out_dir / "policy")
     if check is not None:
         check(policy)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
+    if point is not None and state is None:
+        point.discard(fresh_run=True)
     return policy, out_dir
 
 
@@ -204,8 +229,10 @@ def sft_command(argv: list[str]) -> int:
     from scratchlm.align.config import SFTRunConfig
     from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup, schedule_length, sft_train
+    from scratchlm.align.resume import ResumePoint
 
-    cfg, long_warmup = _parse("sft", argv, SFTRunConfig, "align-sft", "Supervised fine-tuning on worked solutions.")
+    cfg, long_warmup, resume = _parse("sft", argv, SFTRunConfig, "align-sft",
+                                      "Supervised fine-tuning on worked solutions.")
     template, _, train, evals = _inputs(cfg)
     pairs = sft_pairs(train, template)
     if not pairs:
@@ -218,17 +245,20 @@ def sft_command(argv: list[str]) -> int:
         cfg.optim = fit_warmup(cfg.optim, *schedule_length(sft.max_steps, sft.num_epochs, len(pairs),
                                                            sft.micro_batch_size * sft.grad_accum_steps, section="sft"),
                                long_warmup=long_warmup)
+    point = ResumePoint(cfg.run.out_dir, command="sft", config=cfg, data=pairs, argv=argv)
+    state = point.read() if resume else None
     # Training pairs too long are left out or cut (sft_train reports them); evaluation prompts must fit.
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals))
-    metrics = MetricsWriter(out_dir)
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals), point=point, state=state)
+    metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
                                progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup,
-                               stop=stop),
-        phase="sft", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
+                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop),
+        phase="sft", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     # Saved before the final evaluation, so that a Ctrl-C during it loses no training.
     policy.save(out_dir / "policy", step=len(history))
+    point.discard()
     metrics({"phase": "sft", "step": len(history), **{f"eval_{k}": v for k, v in evaluate(len(history)).items()}})
     return 0
 
@@ -237,25 +267,30 @@ def expert_iteration_command(argv: list[str]) -> int:
     """``scratchlm expert-iteration [config] [--section.key=value ...]``."""
     from scratchlm.align.config import ExpertIterationRunConfig
     from scratchlm.align.expert_iteration import check_train_examples, expert_iteration, round_updates
+    from scratchlm.align.resume import ResumePoint
     from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup
 
-    cfg, long_warmup = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
-                              "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
+    cfg, long_warmup, resume = _parse("expert-iteration", argv, ExpertIterationRunConfig, "align-ei",
+                                      "Expert iteration: sample, keep rewarded responses, fine-tune on them.")
     template, reward_fn, train, evals = _inputs(cfg)
     check_train_examples(train, cfg.ei)
     bound = round_updates(cfg.ei, cfg.sft)
     if bound is not None:  # (checked before anything is written)
         cfg.optim = fit_warmup(cfg.optim, *bound, long_warmup=long_warmup)
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
-    metrics = MetricsWriter(out_dir)
+    point = ResumePoint(cfg.run.out_dir, command="expert-iteration", config=cfg, data=train, argv=argv)
+    state = point.read() if resume else None
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
+    metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: expert_iteration(policy, train, template=template, reward_fn=reward_fn, ei=cfg.ei, sft=cfg.sft,
                                       optim=cfg.optim, sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed,
-                                      log=metrics, progress=cfg.run.progress, long_warmup=long_warmup, stop=stop),
-        phase="ei", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
+                                      log=metrics, progress=cfg.run.progress, long_warmup=long_warmup, stop=stop,
+                                      on_stop=point.keep, resume=None if state is None else state.loop),
+        phase="ei", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
+    point.discard()
     return 0
 
 
@@ -263,23 +298,28 @@ def grpo_command(argv: list[str]) -> int:
     """``scratchlm grpo [config] [--section.key=value ...]``."""
     from scratchlm.align.config import GRPORunConfig
     from scratchlm.align.grpo import check_train_examples, grpo_train, grpo_updates
+    from scratchlm.align.resume import ResumePoint
     from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup
 
-    cfg, long_warmup = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
+    cfg, long_warmup, resume = _parse("grpo", argv, GRPORunConfig, "align-grpo", "GRPO with verifiable rewards.")
     template, reward_fn, train, evals = _inputs(cfg)
     check_train_examples(train, cfg.grpo)
     if not cfg.grpo.max_seconds:  # a time-limited run's length is not known in advance
         cfg.optim = fit_warmup(cfg.optim, *grpo_updates(cfg.grpo), long_warmup=long_warmup)
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals))
-    metrics = MetricsWriter(out_dir)
+    point = ResumePoint(cfg.run.out_dir, command="grpo", config=cfg, data=train, argv=argv)
+    state = point.read() if resume else None
+    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
+    metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: grpo_train(policy, train, template=template, reward_fn=reward_fn, grpo=cfg.grpo, optim=cfg.optim,
                                 sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed, log=metrics,
-                                progress=cfg.run.progress, long_warmup=long_warmup, stop=stop),
-        phase="grpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy")
+                                progress=cfg.run.progress, long_warmup=long_warmup, stop=stop, on_stop=point.keep,
+                                resume=None if state is None else state.loop),
+        phase="grpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
+    point.discard()
     return 0
 
 
@@ -308,10 +348,12 @@ def dpo_command(argv: list[str]) -> int:
     """``scratchlm dpo [config] [--section.key=value ...]``: DPO on preference pairs."""
     from scratchlm.align.config import DPORunConfig
     from scratchlm.align.dpo import dpo_train
+    from scratchlm.align.resume import ResumePoint
     from scratchlm.align.interrupt import run_interruptible
     from scratchlm.align.sft import fit_warmup, schedule_length
 
-    cfg, long_warmup = _parse("dpo", argv, DPORunConfig, "dpo", "Direct preference optimisation on preference pairs.")
+    cfg, long_warmup, resume = _parse("dpo", argv, DPORunConfig, "dpo",
+                                      "Direct preference optimisation on preference pairs.")
     _require_policy_path(cfg)
     train, held_out = preference_pairs(cfg)  # read before anything is written, so bad data fails first
     # Checked now on the pairs' count (pairs too long for the context only shorten the run; dpo_train checks again).
@@ -319,16 +361,37 @@ def dpo_command(argv: list[str]) -> int:
     cfg.optim = fit_warmup(cfg.optim, *schedule_length(dpo.max_steps, dpo.num_epochs, len(train),
                                                        dpo.micro_batch_size * dpo.grad_accum_steps, section="dpo"),
                            long_warmup=long_warmup)
-    policy, out_dir = _start(cfg)
-    metrics = MetricsWriter(out_dir)
+    point = ResumePoint(cfg.run.out_dir, command="dpo", config=cfg, data=train, argv=argv)
+    state = point.read() if resume else None
+    # The reference is the starting policy: copied from the policy when the run starts, read again when it resumes.
+    reference = None if state is None else _dpo_reference(cfg, state)
+    policy, out_dir = _start(cfg, point=point, state=state)
+    metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     history = run_interruptible(
-        lambda stop: dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out,
+        lambda stop: dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out, reference=reference,
                                save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
                                log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup,
-                               stop=stop),
-        phase="dpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_loss" if held_out else None)
+                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop),
+        phase="dpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_loss" if held_out else None,
+        resume=point)
     policy.save(out_dir / "policy", step=history[-1]["step"])
+    point.discard()
     return 0
+
+
+def _dpo_reference(cfg: Any, state: Any) -> Any:
+    """The frozen starting policy (policy.path) of a resumed DPO run, checked to be the reference it trained against."""
+    from scratchlm.align.dpo import freeze
+    from scratchlm.align.policy import load_policy
+    from scratchlm.align.resume import weights_digest
+    from scratchlm.device import resolve_device
+
+    reference = freeze(load_policy(cfg.policy.path, resolve_device(cfg.policy.device)).model)
+    if weights_digest(reference) != state.loop["reference"]:
+        raise UserError(f"--resume: policy.path {cfg.policy.path} is no longer the model the run started from (its "
+                        "DPO reference): its weights changed since; resume with the starting model as it was, or "
+                        "start a new run without --resume")
+    return reference
 
 
 def _examples_with_room(policy: Any, examples: list, template: Any, *, skip: bool) -> tuple[list, int]:

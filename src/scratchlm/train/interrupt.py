@@ -12,9 +12,9 @@ stays in its staging folder and never becomes `latest`).
 that goes on after a failed point) lets it through and stops, and ``scratchlm`` prints its
 message and exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM.
 
-The post-training commands stop the same way, saving their policy where the trainer writes a
-checkpoint (`scratchlm.align.interrupt`); `stop_signals`' `stops_after` and `second_loses` make
-the handlers' lines say so.
+The post-training commands stop the same way, saving their policy and training state where the
+trainer writes a checkpoint (`scratchlm.align.interrupt`); `stop_signals`' `stops_after` and
+`second_loses` make the handlers' lines say so.
 
 Handlers can only be set in the main thread; elsewhere `stop_signals` watches nothing. A signal
 the process ignores (SIG_IGN, as a non-interactive shell sets SIGINT for a background job) stays
