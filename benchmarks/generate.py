@@ -15,7 +15,8 @@ embeddings). Two workloads:
   Inductor's "max-autotune-no-cudagraphs" (Triton matmul templates benchmarked against cuBLAS per
   shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`),
   with Inductor's `decompose_mem_bound_mm` and `coordinate_descent_tuning` (the batch-1 matmuls as
-  reductions fused with their neighbours), and with the Triton decode attention
+  reductions fused with their neighbours), with fused blocks (`fused_blocks=True`: each block's
+  norms, gate and residual adds inside its matmul kernels, compiled and not), and with the Triton decode attention
   (`decode_attention="triton"`, at batch 1 and in the rollouts).
   tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
   step reads (all but the input embedding, unless tied) once, so the limit is
@@ -29,7 +30,7 @@ Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after
 run (which also compiles and captures).
 --profile PREFIX writes, for batch 1 and 64, what one captured decode step spends its time on (kernels,
 GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt, and for batch 1 with GEMV_OPTIONS to
-PREFIX_b1_gemv.txt.
+PREFIX_b1_gemv.txt and with fused blocks to PREFIX_b1_fused.txt.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 # neighbours (RMSNorm before, residual add after), its kernels tuned by coordinate descent
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
-def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), **engine_options):
-    """Decoding by a compiled, captured engine built with `engine_options` (one kept per variant):
+def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, **engine_options):
+    """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
     the attention windows of `generate`'s engines."""
     from scratchlm.infer.engine import DecodeEngine
@@ -162,7 +163,7 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), **engine_opt
 
     need = max(len(p) for p in prompts) + new_tokens
     if name not in _KEPT or _KEPT[name][0] != need:
-        _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=True, len_bucket=_LEN_BUCKET,
+        _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=compile, len_bucket=_LEN_BUCKET,
                                           **engine_options))
     engine = _KEPT[name][1]
     with torch.inference_mode():
@@ -277,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                       stack_projections=False),
         # the matmuls as fusable reductions (GEMV_OPTIONS)
         "scratchlm_engine_graphs_compile_gemv": lambda: _variant("gemv", model, prompt, n, inductor_options=GEMV_OPTIONS),
+        # each block's norms, SwiGLU gate and residual adds inside its matmul kernels
+        # (`DecodeEngine(fused_blocks=True)`, scratchlm.infer.fused_block), compiled and not
+        "scratchlm_engine_graphs_compile_fused": lambda: _variant("fused", model, prompt, n, fused_blocks=True),
+        "scratchlm_engine_graphs_fused": lambda: _variant("fused_eager", model, prompt, n, compile=False,
+                                                          fused_blocks=True),
         # decode attention by torch's fused kernel over the masked window, where the engine's
         # default (`default_decode_attention`) is the Triton kernel that reads each row's keys only
         "scratchlm_engine_graphs_compile_sdpa_attention": lambda: _variant("sdpa_attention", model, prompt, n,
@@ -300,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         })
     save()
     if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
-        for B, name, options in ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}), (64, "", {})):
+        for B, name, options in ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
+                                 (1, "_fused", {"fused_blocks": True}), (64, "", {})):
             rows.append({"model": args.model, "workload": "profile", "engine": name.strip("_") or "default",
                          **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}{name}.txt", compile=True,
                                     **options)})

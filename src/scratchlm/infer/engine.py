@@ -162,13 +162,16 @@ class DecodeEngine:
     `pad_lm_head` (default) does the same for the LM head where the vocabulary size is not a
     multiple of 64: a copy of its weight with zero rows up to one (`scratchlm.infer.padded_head`),
     for aligned logits rows; it counts against the same quarter with the stacked copies.
+    `fused_blocks` runs decode steps of at most 8 rows through `scratchlm.infer.fused_block`:
+    each pre-norm block's norms, SwiGLU gate and residual adds inside its four matmul kernels
+    (with the stacked copies, where Triton runs; off by default until measured on a GPU).
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "auto", prefill_graphs: bool = True) -> None:
+                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool = False) -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
@@ -190,6 +193,7 @@ class DecodeEngine:
         if decode_attention == "auto":
             decode_attention = default_decode_attention(model, self.device)
         self.cache.decode_attention = decode_attention
+        self.cache.fused_blocks = fused_blocks
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
             self.cache.projections = projections if len(projections) and projections.fits(self.device) else None

@@ -89,6 +89,9 @@ class StaticKVCache:
         # decode steps' attention: "sdpa" (torch's fused kernel over the masked window) or
         # "triton" (`scratchlm.kernels.decode_attention_triton`: each row reads only its own keys)
         self.decode_attention = "sdpa"
+        # decode steps of up to MAX_ROWS rows through `scratchlm.infer.fused_block` (the engine's
+        # `fused_blocks`): the norms, the SwiGLU gate and the residual adds inside the matmul kernels
+        self.fused_blocks = False
 
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
@@ -207,3 +210,12 @@ class DecodeView:
 
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         return self.cache.stacked(layer_idx, kind)
+
+    def fused_block(self, block: nn.Module, x: Tensor):
+        """The block's decode step in fused kernels (`scratchlm.infer.fused_block.fused_step`) for
+        x (b, 1, d_model), or None: the cache's `fused_blocks` is off, or the block does not qualify."""
+        if not self.cache.fused_blocks or x.shape[1] != 1:
+            return None
+        from scratchlm.infer.fused_block import fused_step
+
+        return fused_step(block, self, x.shape[0])

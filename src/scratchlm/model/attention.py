@@ -205,12 +205,34 @@ class MultiHeadSelfAttention(nn.Module):
         # The decoding engine's view may hold q|k|v stacked as one matrix: one matmul, not three.
         stacked = kv_cache.stacked(self.layer_idx, "qkv") if hasattr(kv_cache, "stacked") else None
         if stacked is not None:
-            kv_dim = self.num_kv_heads * self.head_dim
-            q, k, v = map(self._heads, stacked_linear(x, stacked).split((self.d_model, kv_dim, kv_dim), dim=-1))
+            q, k, v = self._split_qkv(stacked_linear(x, stacked))
         elif fuse:
             q, k, v = map(self._heads, project_together(x, projections))
         else:
             q, k, v = (self._heads(proj(x)) for proj in projections)
+        out = self._attend_heads(backend, q, k, v, token_positions, kv_cache, attention_mask, windowed)
+        return self.output_proj(out)
+
+    def attend_projected(self, qkv: Tensor, token_positions: Tensor | None, kv_cache: Any) -> Tensor:
+        """The attention of q|k|v already projected (B, T, d_model + 2·num_kv_heads·d_k), through
+        `kv_cache`, before the output projection: (B, T, d_model). The decoding engine's fused
+        blocks (`scratchlm.infer.fused_block`) compute q|k|v with the norm before them in one kernel."""
+        backend = self._backend_for(qkv, kv_cache, None)
+        q, k, v = self._split_qkv(qkv)
+        return self._attend_heads(backend, q, k, v, token_positions, kv_cache, None, False)
+
+    def _split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        kv_dim = self.num_kv_heads * self.head_dim
+        q, k, v = map(self._heads, qkv.split((self.d_model, kv_dim, kv_dim), dim=-1))
+        return q, k, v
+
+    def _attend_heads(self, backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor,
+                      token_positions: Tensor | None, kv_cache: Any, attention_mask: Tensor | None,
+                      windowed: bool) -> Tensor:
+        """q, k, v (B, T, heads, d) from the projections -> attention output (B, T, d_model), before
+        the output projection: q/k norms, RoPE, the cache and the backend's kernel."""
+        B, T = q.shape[:2]
+        x_device = q.device
         if self.qk_norm:  # per head, over head_dim, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         # The flash kernels (heads_first False) take q/k/v in the projections' (B, T, H, d) layout
@@ -222,7 +244,7 @@ class MultiHeadSelfAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
 
         if self.rope is not None:
-            cos, sin = self._rope_tables(T, token_positions, kv_cache, x.device)  # (T, d/2) or (B, T, d/2)
+            cos, sin = self._rope_tables(T, token_positions, kv_cache, x_device)  # (T, d/2) or (B, T, d/2)
             if not backend.heads_first:
                 cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., T, 1, d/2): over heads
             elif cos.dim() >= 3:
@@ -235,7 +257,7 @@ class MultiHeadSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, L, d)
             # (B, 1, T, L), (T, L) or None; causal, padding-aware and windowed by the cache
-            mask = kv_cache.attention_mask(T, k.shape[-2], device=x.device)
+            mask = kv_cache.attention_mask(T, k.shape[-2], device=x_device)
             # A cache may bring its own kernel (the static decode cache: fused SDPA over its
             # window), which takes the kv heads as stored.
             attend = getattr(kv_cache, "attend", None)
@@ -244,20 +266,19 @@ class MultiHeadSelfAttention(nn.Module):
             else:
                 out = backend.attend_masked(q, *self._kv_for(backend, k, v), mask)
         elif attention_mask is not None:
-            mask = causal_mask(T, device=x.device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
+            mask = causal_mask(T, device=x_device) & attention_mask[:, None, None, :].bool()  # (B, 1, T, T)
             if windowed:
-                mask = mask & sliding_window_mask(T, T, self.sliding_window, device=x.device)
+                mask = mask & sliding_window_mask(T, T, self.sliding_window, device=x_device)
             out = backend.attend_masked(q, *self._kv_for(backend, k, v), mask)
         elif windowed and backend.sliding_window:
             out = backend.attend(q, *self._kv_for(backend, k, v), True, window=self.sliding_window)
         elif windowed:
-            mask = sliding_window_mask(T, T, self.sliding_window, device=x.device)  # (T, T)
+            mask = sliding_window_mask(T, T, self.sliding_window, device=x_device)  # (T, T)
             out = backend.attend_masked(q, *self._kv_for(backend, k, v), mask)
         else:
             out = backend.attend(q, *self._kv_for(backend, k, v), True)
 
-        out = out.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, d_model)
-        return self.output_proj(out)
+        return out.transpose(1, 2).reshape(B, T, self.d_model)  # (B, T, d_model)
 
     def _windowed(self, T: int, kv_cache) -> bool:
         # Whether the sliding window hides any key from a query of this call (without a cache:

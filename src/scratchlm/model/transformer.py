@@ -165,6 +165,10 @@ class TransformerBlock(nn.Module):
         attention_mask: Tensor | None = None,
     ) -> Tensor:
         if self.norm_position == "pre":
+            # the decoding engine's view may run a decode step of this block in fused kernels
+            fused = kv_cache.fused_block(self, x) if hasattr(kv_cache, "fused_block") else None
+            if fused is not None:
+                return fused(x, token_positions)
             x = x + self.attn(self.ln1(x), token_positions, kv_cache, attention_mask=attention_mask)
             return x + self._ffn(self.ln2(x), kv_cache)
         x = self.ln1(x + self.attn(x, token_positions, kv_cache, attention_mask=attention_mask))

@@ -1,0 +1,76 @@
+"""A pre-norm block's decode step for a few rows in five kernels plus attention's own.
+
+A Llama-style block run module by module launches, per decode step, the RMSNorm, the q|k|v
+matmul, RoPE and the cache write, attention, the output projection, the residual add, the second
+RMSNorm, the w1|w3 matmul, the SwiGLU gate, the w2 matmul and the second residual add: at batch
+1 each costs a launch's fixed latency more than its bytes (docs/benchmarks/generate.md). With
+`scratchlm.kernels.decode_linear_triton.decode_linear` the norms, the gate and the residual adds
+ride in the matmuls' kernels:
+
+    qkv = decode_linear(x, W_qkv, norm=ln1)                 # RMSNorm + q|k|v
+    a   = attn.attend_projected(qkv, positions, view)       # RoPE, cache write, attention
+    x   = decode_linear(a, W_o, residual=x)                 # output projection + residual
+    g   = decode_linear(x, W_w1|w3, norm=ln2, gate_up=True) # RMSNorm + w1|w3 + silu(gate)·up
+    x   = decode_linear(g, W_2, residual=x)                 # w2 + residual
+
+`fused_step(block, view, rows)` returns that step for a block whose math it reproduces, or None:
+pre-norm, `RMSNorm` norms, a `SwiGLU` FFN, plain bias-free projections without hooks, the
+engine's stacked q|k|v and w1|w3 copies (`scratchlm.infer.stacked`), all four weights in one
+dtype, at most `MAX_ROWS` rows, and tensors Triton can run. The engine turns it on with
+`DecodeEngine(fused_blocks=True)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear
+from scratchlm.kernels.triton_support import can_use_triton
+from scratchlm.model.layers import Linear, RMSNorm, SwiGLU
+
+__all__ = ["fused_step", "fused_weights"]
+
+
+def _plain(module: nn.Module, kind: type) -> bool:
+    return type(module) is kind and not module._forward_hooks and not module._forward_pre_hooks
+
+
+def fused_weights(block: nn.Module, view: Any, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """(W_qkv, W_w1|w3, W_o, W_2) of a block whose decode step of `rows` rows `fused_step` can run
+    (see the module docstring; whether Triton runs on them aside), or None."""
+    attn, ffn = getattr(block, "attn", None), getattr(block, "ffn", None)
+    if (rows > MAX_ROWS or getattr(block, "norm_position", None) != "pre" or attn is None
+            or not all(_plain(m, RMSNorm) for m in (block.ln1, block.ln2)) or not _plain(block, type(block))
+            or not _plain(ffn, SwiGLU) or not _plain(ffn.w2, Linear) or not _plain(attn, type(attn))
+            or not _plain(getattr(attn, "output_proj", None), Linear)):
+        return None
+    qkv, w13 = view.stacked(attn.layer_idx, "qkv"), view.stacked(attn.layer_idx, "w13")
+    if qkv is None or w13 is None or qkv[1] is not None or w13[1] is not None:
+        return None
+    weights = qkv[0], w13[0], attn.output_proj.weight, ffn.w2.weight
+    return weights if len({w.dtype for w in weights}) == 1 else None
+
+
+def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tensor | None], Tensor] | None:
+    """`step(x, token_positions)` -> the block's output for x (rows, 1, d_model), or None where the
+    block or the step does not qualify (`fused_weights`) or Triton cannot run on its weights."""
+    weights = fused_weights(block, view, rows)
+    if weights is None or not can_use_triton(weights[0]):
+        return None
+    w_qkv, w_13, w_o, w_2 = weights
+    attn = block.attn
+    ln1, ln2 = block.ln1, block.ln2
+
+    def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)
+        q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps)
+        a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
+        h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
+        g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True)
+        return decode_linear(g, w_2, residual=h).view(b, t, d)
+
+    return step

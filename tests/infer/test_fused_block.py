@@ -1,0 +1,93 @@
+"""Decode steps through fused blocks (`DecodeEngine(fused_blocks=True)`): the logits of the
+module-by-module step, and the blocks that do not qualify keep that step.
+
+Where Triton cannot run (CPU without TRITON_INTERPRET=1) the engine keeps the module-by-module
+step; `test_the_fused_step_computes_the_blocks_math` then runs the fused step on the op's torch
+path, so its wiring is checked everywhere."""
+
+import pytest
+import torch
+
+from scratchlm.infer import fused_block
+from scratchlm.infer.engine import DecodeEngine
+from scratchlm.infer.static_cache import DecodeView
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS
+from scratchlm.kernels.triton_support import interpreting, triton_available
+from scratchlm.model.transformer import TransformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return TransformerLM(vocab_size=50, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                         rope_theta=10_000.0, dtype=torch.float32, **kw).eval()
+
+
+def _decode_logits(model, fused, rows=2):
+    engine = DecodeEngine(model, rows, 32, fused_blocks=fused)
+    engine._refresh_projections()
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]][:rows]
+    engine._prefill(list(range(rows)), prompts)
+    ids = torch.tensor([7, 8, 9, 10][:rows])
+    pos = torch.tensor([len(p) for p in prompts])
+    return engine, engine._decode_logits(ids, pos, 32)
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2, "qk_norm": True}])
+def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw):
+    model = _model(**kw)
+    _, expected = _decode_logits(model, False)
+    calls = []
+    real = fused_block.decode_linear
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("gate_up", False))
+        return real(*args, **kwargs)
+
+    # the step taken wherever Triton would run: on the CPU its kernels take the op's torch path
+    monkeypatch.setattr(fused_block, "can_use_triton", lambda t: True)
+    monkeypatch.setattr(fused_block, "decode_linear", counted)
+    _, got = _decode_logits(model, True)
+    assert len(calls) == 4 * 2 and calls.count(True) == 2  # four fused projections a block, one gated
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_kernels_give_the_logits_of_the_module_step():
+    if not (triton_available() and interpreting()):
+        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1 with triton installed")
+    model = _model(num_kv_heads=2)
+    _, expected = _decode_logits(model, False, rows=3)
+    _, got = _decode_logits(model, True, rows=3)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _view(engine, rows):
+    return DecodeView(engine.cache, torch.zeros(rows, dtype=torch.long), 32)
+
+
+def test_blocks_qualify_only_where_the_fused_step_reproduces_them():
+    engine = DecodeEngine(_model(), 2, 32, fused_blocks=True)
+    engine._refresh_projections()
+    block = engine.model.layers[0]
+    assert fused_block.fused_weights(block, _view(engine, 1), 1) is not None
+    assert fused_block.fused_weights(block, _view(engine, MAX_ROWS + 1), MAX_ROWS + 1) is None  # too many rows
+    for kw in ({"norm_position": "post"}, {"ffn": "silu"}, {"qkv_bias": True}):
+        other = DecodeEngine(_model(**kw), 2, 32, fused_blocks=True)
+        other._refresh_projections()
+        assert fused_block.fused_weights(other.model.layers[0], _view(other, 1), 1) is None, kw
+    unstacked = DecodeEngine(_model(), 2, 32, fused_blocks=True, stack_projections=False)
+    assert fused_block.fused_weights(unstacked.model.layers[0], _view(unstacked, 1), 1) is None
+    handle = block.ffn.w2.register_forward_hook(lambda *a: None)  # a hook the fused step would skip
+    assert fused_block.fused_weights(block, _view(engine, 1), 1) is None
+    handle.remove()
+
+
+@pytest.mark.gpu
+def test_fused_blocks_on_cuda_compiled_and_captured():
+    model = _model().to("cuda", torch.bfloat16)
+    prompts = [[1, 2, 3]]
+    outs = [DecodeEngine(model, 1, 64, compile=True, fused_blocks=fused).run(prompts, [16], temperature=0)
+            for fused in (False, True)]
+    agree = sum(a == b for a, b in zip(outs[0][0], outs[1][0], strict=True))
+    assert agree >= 12, outs  # bf16 rounding may flip a near-tie late in a random model's sequence
