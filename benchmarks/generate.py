@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rollout-repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
+    p.add_argument("--profile-steps", nargs="*", default=["b1", "b1_gemv", "b1_fused", "b64"],
+                   choices=["b1", "b1_gemv", "b1_fused", "b64"], help="which steps --profile profiles")
     p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
@@ -306,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         })
     save()
     if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
-        for B, name, options in ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
-                                 (1, "_fused", {"fused_blocks": True}), (64, "", {})):
+        profiles = ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
+                    (1, "_fused", {"fused_blocks": True}), (64, "", {}))
+        for B, name, options in profiles:
+            if f"b{B}{name}" not in args.profile_steps:
+                continue
             rows.append({"model": args.model, "workload": "profile", "engine": name.strip("_") or "default",
                          **_profile(model, [prompt[0]] * B, 50, f"{args.profile}_b{B}{name}.txt", compile=True,
                                     **options)})
