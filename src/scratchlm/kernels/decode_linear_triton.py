@@ -6,7 +6,7 @@ by the bytes it reads: each of its matmuls reads 1-6 MB of weights (~0.5-2 us at
 yet takes ~4 us, and the RMSNorm before it, the residual add after it and the SwiGLU gate each
 cost a launch of their own (docs/benchmarks/generate.md). Here one program computes BLOCK_N
 outputs for all the M (<= MAX_ROWS) rows: it reads its BLOCK_N weight rows once, in tiles of
-BLOCK_K along K, and multiplies them with the rows of x in float32.
+BLOCK_K along K (`blocks_for`), and multiplies them with the rows of x in float32.
 
 ``decode_linear(x, w, norm_weight=None, residual=None, eps=1e-5, gate_up=False)``: x (M, K), w
 (N, K), both with unit stride along K.
@@ -115,14 +115,20 @@ def _check(x, w, norm_weight, residual, gate_up) -> None:
         raise ValueError(f"decode_linear: residual must be {_out_shape(x, w, gate_up)}, got {tuple(residual.shape)}")
 
 
-def blocks_for(rows: int, outputs: int, gate_up: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for `rows` rows and `outputs` outputs a row: enough programs
-    to keep every SM reading (a few hundred for GPT-2-small's projections), and a product tile of
-    at most 2,048 float32 values a program."""
+# At most this many product terms (BLOCK_M x BLOCK_N x BLOCK_K) a program holds at once
+TILE_TERMS = 8192
+
+
+def blocks_for(rows: int, outputs: int, inputs: int, gate_up: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` rows, `outputs` outputs and `inputs`
+    inputs a row. At batch 1 a step is short of bytes in flight, not of arithmetic: with a whole
+    row of K in one tile (up to TILE_TERMS terms) every program issues all its loads at once, and
+    GPT-2-small's projections (1-6 MB) are in flight whole across a few hundred programs."""
     block_m = triton.next_power_of_2(max(rows, 1))
     block_n = 8 if outputs >= 2048 and not gate_up else 4
-    block_k = max(32, 2048 // (block_m * block_n))
-    return block_m, block_n, block_k
+    block_k = max(32, min(triton.next_power_of_2(inputs), TILE_TERMS // (block_m * block_n)))
+    num_warps = 8 if block_n * block_k >= 4096 else 4
+    return block_m, block_n, block_k, num_warps
 
 
 def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None,
@@ -134,7 +140,7 @@ def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Ten
     if not runs:
         return decode_linear_reference(x, w, norm_weight, residual, eps, gate_up)
     out = torch.empty((M, N), dtype=w.dtype if residual is None else residual.dtype, device=w.device)
-    block_m, block_n, block_k = blocks_for(M, N, gate_up)
+    block_m, block_n, block_k, num_warps = blocks_for(M, N, x.shape[1], gate_up)
     g = x if norm_weight is None else norm_weight  # a pointer the kernel does not read without HAS_NORM
     r = out if residual is None else residual
     with _device(w):
@@ -142,7 +148,7 @@ def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Ten
         wrap_triton(_decode_linear_kernel)[grid](
             x, w, g, r, out, M, N, x.shape[1], x.stride(0), w.stride(0), r.stride(0), out.stride(0),
             EPS=float(eps), HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, GATE_UP=gate_up,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
