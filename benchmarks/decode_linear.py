@@ -1,0 +1,130 @@
+"""The decode projection kernel against torch at decode shapes, each inside a CUDA graph.
+
+    python benchmarks/decode_linear.py [--model gpt2 llama1b] [--rows 1 4 8] [--json out.json]
+
+For each projection of a block (q|k|v after the first RMSNorm, the output projection plus the
+residual, w1|w3 after the second RMSNorm with the SwiGLU gate, w2 plus the residual) and each
+number of rows, three peers compute the same thing in bf16:
+
+- `decode_linear`: `scratchlm.kernels.decode_linear_triton` (one kernel);
+- `torch_compiled`: `decode_linear_reference` under torch.compile (Inductor fuses the norm and the
+  epilogue around cuBLAS's matmul);
+- `matmul_only`: cuBLAS's `x @ wᵀ` alone, without the norm or the epilogue (a floor for torch's side).
+
+Each is captured in a CUDA graph of `--calls` back-to-back calls, replayed `--repeats` times
+(median); the time per call includes its launch inside the graph, as a decode step's does. Also
+printed: GB/s of weights read and its share of the device-to-device copy bandwidth measured in
+the same run, and the ratio of each peer's time to `decode_linear`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from scratchlm.bench.results import environment, write_json
+from scratchlm.kernels.decode_linear_triton import decode_linear, decode_linear_reference
+
+SHAPES = {  # model: (d_model, q|k|v width, d_ff)
+    "gpt2": (768, 3 * 768, 2048),
+    "llama1b": (2048, 3 * 2048, 8192),
+}
+
+
+def _graph_time(fn, calls: int, repeats: int) -> float:
+    """Seconds per call of `fn` captured `calls` times in one CUDA graph (median of `repeats` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    seconds = _graph_time(lambda: y.copy_(x), 10, 5)
+    return 2 * x.numel() / seconds
+
+
+def projections(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
+    """{name: (kwargs of decode_linear, weight bytes)} for one block of `model` at `rows` rows."""
+    d, qkv, ff = SHAPES[model]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    x, norm = t(rows, d), 1 + 0.1 * t(d)
+    cases = {
+        "qkv_norm": dict(x=x, w=t(qkv, d, scale=d ** -0.5), norm_weight=norm),
+        "out_residual": dict(x=t(rows, d), w=t(d, d, scale=d ** -0.5), residual=t(rows, d)),
+        "w13_norm_gate": dict(x=x, w=t(2 * ff, d, scale=d ** -0.5), norm_weight=norm, gate_up=True),
+        "w2_residual": dict(x=t(rows, ff), w=t(d, ff, scale=ff ** -0.5), residual=t(rows, d)),
+    }
+    return {name: (kw, kw["w"].numel() * kw["w"].element_size()) for name, kw in cases.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["gpt2", "llama1b"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 1
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compiled entry per shape and option set
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    compiled = torch.compile(decode_linear_reference, dynamic=False)
+    rows_out = []
+    for model in args.model:
+        for rows in args.rows:
+            for name, (kw, nbytes) in projections(model, rows).items():
+                reference = decode_linear_reference(**kw)
+                torch.testing.assert_close(decode_linear(**kw), reference, rtol=2e-2, atol=2e-2)
+                peers = {
+                    "decode_linear": lambda kw=kw: decode_linear(**kw),
+                    "torch_compiled": lambda kw=kw: compiled(**kw),
+                    "matmul_only": lambda kw=kw: kw["x"] @ kw["w"].t(),
+                }
+                times = {peer: _graph_time(fn, args.calls, args.repeats) for peer, fn in peers.items()}
+                for peer, seconds in times.items():
+                    row = {"model": model, "projection": name, "rows": rows, "peer": peer, "us": seconds * 1e6,
+                           "weight_gb_per_s": nbytes / seconds / 1e9, "bandwidth_share": nbytes / seconds / bandwidth,
+                           "x_decode_linear": seconds / times["decode_linear"]}
+                    rows_out.append(row)
+                    print(f"{model:8s} {name:14s} rows {rows}  {peer:15s} {row['us']:7.2f} us  "
+                          f"{row['weight_gb_per_s']:7.0f} GB/s  {100 * row['bandwidth_share']:5.1f}% of copy  "
+                          f"{row['x_decode_linear']:.2f}x decode_linear's time", flush=True)
+                if args.json:
+                    write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
