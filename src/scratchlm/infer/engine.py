@@ -510,6 +510,7 @@ class DecodeEngine:
 
     # ---- the loop -------------------------------------------------------------------------
 
+    @torch.no_grad()  # never a graph for backward: torch.compile would try to build one through the kernels
     def run(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], *, temperature: float = 1.0,
             top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
             generator: torch.Generator | None = None) -> list[list[int]]:
@@ -518,11 +519,11 @@ class DecodeEngine:
         Each prompt plus its budget must fit in max_len. Prompts beyond the slot count wait and
         take the slots of rows that finish.
 
-        Runs under `torch.inference_mode`, `torch.no_grad` or either in turn: the tensors the
-        engine keeps across runs (its state, the cache, the stacked and padded weight copies) are
-        allocated outside inference mode, even when that happens inside a run under it, so
-        they are normal tensors, which may be updated in place in either mode (an inference
-        tensor only inside inference mode).
+        Runs without autograd (under `torch.no_grad` at least), inside `torch.inference_mode` or
+        not, either in turn: the tensors the engine keeps across runs (its state, the cache, the
+        stacked and padded weight copies) are allocated outside inference mode, even when that
+        happens inside a run under it, so they are normal tensors, which may be updated in place
+        in either mode (an inference tensor only inside inference mode).
         """
         n_req = len(prompts)
         self._refresh_projections()

@@ -116,18 +116,19 @@ def _check(x, w, norm_weight, residual, gate_up) -> None:
 
 
 # At most this many product terms (BLOCK_M x BLOCK_N x BLOCK_K) a program holds at once
-TILE_TERMS = 8192
+TILE_TERMS = 16384
 
 
 def blocks_for(rows: int, outputs: int, inputs: int, gate_up: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` rows, `outputs` outputs and `inputs`
-    inputs a row. At batch 1 a step is short of bytes in flight, not of arithmetic: with a whole
-    row of K in one tile (up to TILE_TERMS terms) every program issues all its loads at once, and
-    GPT-2-small's projections (1-6 MB) are in flight whole across a few hundred programs."""
+    inputs a row. A decode projection is short of bytes in flight, not of arithmetic: with a whole
+    row of K in one tile every program issues all its loads at once, and many small programs
+    (2 or 4 outputs, 2 warps) spread GPT-2-small's 1-6 MB over every SM. Chosen from a sweep of
+    BLOCK_N x BLOCK_K x num_warps on an H100 (docs/benchmarks/decode_linear.md)."""
     block_m = triton.next_power_of_2(max(rows, 1))
-    block_n = 8 if outputs >= 2048 and not gate_up else 4
-    block_k = max(32, min(triton.next_power_of_2(inputs), TILE_TERMS // (block_m * block_n)))
-    num_warps = 8 if block_n * block_k >= 4096 else 4
+    block_n = 2 if rows == 1 and (gate_up or outputs >= 2048) else 4
+    block_k = max(32, min(triton.next_power_of_2(inputs), 2048, TILE_TERMS // (block_m * block_n)))
+    num_warps = 4 if block_k >= 2048 else 2
     return block_m, block_n, block_k, num_warps
 
 
