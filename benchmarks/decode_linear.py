@@ -15,17 +15,23 @@ Each is captured in a CUDA graph of `--calls` back-to-back calls, replayed `--re
 (median); the time per call includes its launch inside the graph, as a decode step's does. Also
 printed: GB/s of weights read and its share of the device-to-device copy bandwidth measured in
 the same run, and the ratio of each peer's time to `decode_linear`'s.
+
+`--sweep` instead times `decode_linear` with every tile choice (BLOCK_N in 2..16, BLOCK_K in
+128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
+and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
 import torch
 
 from scratchlm.bench.results import environment, write_json
+from scratchlm.kernels import decode_linear_triton
 from scratchlm.kernels.decode_linear_triton import decode_linear, decode_linear_reference
 
 SHAPES = {  # model: (d_model, q|k|v width, d_ff)
@@ -84,12 +90,40 @@ def projections(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
     return {name: (kw, kw["w"].numel() * kw["w"].element_size()) for name, kw in cases.items()}
 
 
+def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
+    """The fastest tiles of `decode_linear` per projection and row count (see the module docstring)."""
+    chosen = decode_linear_triton.blocks_for
+    out = []
+    try:
+        for model in models:
+            for rows in row_counts:
+                block_m = 1 << (rows - 1).bit_length()
+                for name, (kw, _) in projections(model, rows).items():
+                    timings = []
+                    for bn, bk, nw in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8)):
+                        if block_m * bn * bk > 16384 or (bk > 128 and bk > 2 * kw["x"].shape[1]):
+                            continue
+                        decode_linear_triton.blocks_for = lambda *a, t=(block_m, bn, bk, nw): t
+                        timings.append((_graph_time(lambda kw=kw: decode_linear(**kw), calls, repeats), bn, bk, nw))
+                    seconds, bn, bk, nw = min(timings)
+                    decode_linear_triton.blocks_for = chosen
+                    default = _graph_time(lambda kw=kw: decode_linear(**kw), calls, repeats)
+                    out.append({"model": model, "projection": name, "rows": rows, "best_us": seconds * 1e6,
+                                "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "blocks_for_us": default * 1e6})
+                    print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us (BLOCK_N {bn}, BLOCK_K {bk}, "
+                          f"{nw} warps)  blocks_for's {default * 1e6:6.2f} us", flush=True)
+    finally:
+        decode_linear_triton.blocks_for = chosen
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["gpt2", "llama1b"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -97,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if args.sweep:
+        rows_out = sweep(args.model, args.rows, args.calls, args.repeats)
+        if args.json:
+            write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "sweep": rows_out})
+        return 0
     for limit in ("recompile_limit", "cache_size_limit"):  # one compiled entry per shape and option set
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
