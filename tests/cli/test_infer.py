@@ -59,6 +59,25 @@ def test_cached_and_uncached_commands_agree(ckpt, capsys):
     assert cached == uncached
 
 
+def test_fused_blocks_reach_the_engine_and_keep_the_completions(ckpt, capsys, monkeypatch):
+    from scratchlm.infer import engine as engine_module
+
+    built = []
+    init = engine_module.DecodeEngine.__init__
+
+    def recording(self, *args, **kwargs):
+        built.append(kwargs.get("fused_blocks"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.DecodeEngine, "__init__", recording)
+    base = [str(ckpt), "--prompt", "xyz", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    generate_command(base)
+    plain = capsys.readouterr().out.splitlines()[:2]
+    generate_command(base + ["--fused-blocks"])
+    assert capsys.readouterr().out.splitlines()[:2] == plain  # on the CPU the blocks run module by module
+    assert built == [False, True]
+
+
 def test_generate_command_errors(ckpt):
     with pytest.raises(UserError, match="top-p"):
         generate_command([str(ckpt), "--top-p", "0"])

@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step before its CUDA graph is captured (GPU; slower start)")
+    p.add_argument("--fused-blocks", action="store_true",
+                   help="run each block's norms, SwiGLU gate and residual adds inside its matmul kernels at up to "
+                        "8 prompts (GPU, Triton; docs/benchmarks/generate.md)")
     p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     p.add_argument("--dtype", type=_dtype_arg, default="auto",
                    help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
@@ -128,6 +131,7 @@ def generate_command(argv: list[str]) -> int:
         use_kv_cache=not args.no_kv_cache,
         seed=args.seed,
         compile=args.compile,
+        fused_blocks=args.fused_blocks,
     )
     seconds = time.perf_counter() - start
     total = sum(len(o) for o in outs)

@@ -65,6 +65,7 @@ def generate(
     kv_cache: str = "static",
     compile: bool = False,
     max_batch: int = 256,
+    fused_blocks: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens of each.
 
@@ -76,6 +77,8 @@ def generate(
     kv_cache: "static" (the decoding engine) or "dynamic" (the growing cache); ignored without
     the cache. compile: `torch.compile` the engine's decode step (CUDA; the first calls pay the
     compilation). max_batch: rows decoded at once by the engine; more prompts wait for slots.
+    fused_blocks: the engine's decode steps of up to 8 rows run each block's norms, SwiGLU gate
+    and residual adds inside its matmul kernels (`DecodeEngine(fused_blocks=True)`; CUDA).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -99,7 +102,8 @@ def generate(
                 return _decode_cached(model, prompts, max_new_tokens, device, stop_ids, sampling)
             if kv_cache != "static":
                 raise ValueError(f"kv_cache must be 'static' or 'dynamic', got {kv_cache!r}")
-            return _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch)
+            return _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch,
+                                  fused_blocks)
     finally:
         model.train(was_training)
 
@@ -146,7 +150,7 @@ def release_engines(model: nn.Module | None = None) -> None:
 
 
 def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greedy: bool = False,
-                max_slots: int | None = None) -> DecodeEngine:
+                max_slots: int | None = None, fused_blocks: bool = False) -> DecodeEngine:
     """The engine kept for `model` when it fits the call, else a new one of `slots` rows.
 
     A sampled call needs an engine of exactly `slots` rows: which rows share a step decides
@@ -159,7 +163,7 @@ def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greed
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and device.type in ("cuda", "cpu")
     mode = (compile, autocast, torch.get_autocast_dtype(device.type) if autocast else None,
-            next(model.parameters()).dtype)
+            next(model.parameters()).dtype, fused_blocks)
     max_len = min(model.context_length, -(-need // _LEN_STEP) * _LEN_STEP)
     held = _ENGINES.get(model)
     if held is not None and held[0] == mode and held[1].max_len >= need:
@@ -167,19 +171,20 @@ def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greed
         if kept == slots or (greedy and 2 * kept >= slots and kept <= (max_slots or slots)):
             return held[1]
     _ENGINES.pop(model, None)  # free the old cache before allocating the new one
-    engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_BUCKET)
+    engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_BUCKET, fused_blocks=fused_blocks)
     _ENGINES[model] = (mode, engine)
     return engine
 
 
-def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch) -> list[list[int]]:
+def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch,
+                   fused_blocks=False) -> list[list[int]]:
     budgets = _check_room(model, prompts, max_new_tokens)
     if max(budgets) <= 0:
         return [[] for _ in prompts]
     need = max(len(p) + g for p, g in zip(prompts, budgets))
     temperature, top_k, top_p, generator = sampling
     engine = _engine_for(model, min(len(prompts), max_batch), need, compile, greedy=temperature == 0,
-                         max_slots=max_batch)
+                         max_slots=max_batch, fused_blocks=fused_blocks)
     return engine.run(prompts, budgets, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
                       generator=generator)
 
