@@ -109,3 +109,64 @@ def test_tiles_hold_a_whole_row_at_batch_1_and_stay_within_the_budget():
         for outputs, inputs, gate_up in ((2304, 768, False), (2048, 768, True), (768, 8192, False)):
             m, n, k, _ = blocks_for(rows, outputs, inputs, gate_up)
             assert m >= rows and m * n * k <= TILE_TERMS
+
+
+QKV_CASES = [  # (rows, K, heads, kv heads, head dim, norm)
+    (1, 48, 4, 4, 8, True),
+    (3, 40, 4, 2, 16, False),  # grouped-query attention
+    (MAX_ROWS, 32, 2, 1, 6, True),  # a head dim whose pairs do not split in two
+]
+
+
+def _qkv_tensors(rows, K, H, Hkv, d, norm, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, K, generator=g) * 2).to(dtype)
+    w = (torch.randn((H + 2 * Hkv) * d, K, generator=g) / K ** 0.5).to(dtype)
+    nw = (1 + 0.3 * torch.randn(K, generator=g)).to(dtype) if norm else None
+    angles = torch.rand(40, d // 2, generator=g) * 6  # float32 tables, as RotaryEmbedding keeps them
+    pos = torch.randint(0, 30, (rows,), generator=g)
+    caches = [torch.randn(rows + 1, Hkv, 31, d, generator=g).to(dtype) for _ in range(2)]
+    return x, w, nw, angles.cos(), angles.sin(), pos, caches
+
+
+def _qkv_float64(x, w, nw, cos, sin, pos, H, Hkv, d):
+    """q, k, v (rows, heads, d) in float64: the projection, then each interleaved pair rotated."""
+    y = _float64(x, w, nw, None, 1e-5, False)
+    q, k, v = y.split((H * d, Hkv * d, Hkv * d), dim=-1)
+    c, s = cos[pos].double()[:, None], sin[pos].double()[:, None]
+
+    def rotate(t, heads):
+        t = t.reshape(len(pos), heads, d // 2, 2)
+        return torch.stack((t[..., 0] * c - t[..., 1] * s, t[..., 0] * s + t[..., 1] * c), dim=-1).flatten(-2)
+
+    return rotate(q, H), rotate(k, Hkv), v.reshape(len(pos), Hkv, d)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_decode_qkv_rotates_q_and_writes_k_and_v_at_each_rows_position(dtype, atol):
+    from scratchlm.kernels.decode_linear_triton import decode_qkv
+
+    for rows, K, H, Hkv, d, norm in QKV_CASES:
+        x, w, nw, cos, sin, pos, (k_cache, v_cache) = _qkv_tensors(rows, K, H, Hkv, d, norm, dtype)
+        before = [k_cache.clone(), v_cache.clone()]
+        q = decode_qkv(x, w, nw, 1e-5, cos, sin, pos, k_cache, v_cache, H)
+        eq, ek, ev = _qkv_float64(x, w, nw, cos, sin, pos, H, Hkv, d)
+        at = torch.arange(rows)
+        case = str((rows, K, H, Hkv, d, norm))
+        torch.testing.assert_close(q.double().reshape(rows, H, d), eq, rtol=0, atol=atol, msg=case)
+        torch.testing.assert_close(k_cache[at, :, pos].double(), ek, rtol=0, atol=atol, msg=case)
+        torch.testing.assert_close(v_cache[at, :, pos].double(), ev, rtol=0, atol=atol, msg=case)
+        for cache, old in zip((k_cache, v_cache), before):  # nothing else written
+            cache[at, :, pos] = old[at, :, pos]
+            assert torch.equal(cache, old), case
+
+
+def test_decode_qkv_reference_is_the_models_rope():
+    from scratchlm.kernels.decode_linear_triton import decode_qkv_reference
+    from scratchlm.model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(10_000.0, 8, 40)
+    x, w, nw, _, _, pos, (k_cache, v_cache) = _qkv_tensors(3, 32, 4, 2, 8, True, torch.float32)
+    q = decode_qkv_reference(x, w, nw, 1e-5, rope.cos, rope.sin, pos, k_cache, v_cache, 4)
+    normed = decode_linear_reference(x, w[:32], nw, None, 1e-5).reshape(3, 4, 1, 8)  # q's rows, (rows, H, T=1, d)
+    torch.testing.assert_close(q.reshape(3, 4, 1, 8), rope(normed, pos[:, None, None]))

@@ -9,6 +9,12 @@ ride in the matmuls' kernels:
 
     qkv = decode_linear(x, W_qkv, norm=ln1)                 # RMSNorm + q|k|v
     a   = attn.attend_projected(qkv, positions, view)       # RoPE, cache write, attention
+
+and in an uncompiled step (where each of RoPE's and the cache write's small ops would be a
+kernel of its own) the first two lines are instead
+
+    q   = decode_qkv(x, W_qkv, norm=ln1, rope, pos, caches) # RMSNorm + q|k|v + RoPE + cache write
+    a   = view.attend(q, caches)                            # attention
     x   = decode_linear(a, W_o, residual=x)                 # output projection + residual
     g   = decode_linear(x, W_w1|w3, norm=ln2, gate_up=True) # RMSNorm + w1|w3 + silu(gate)·up
     x   = decode_linear(g, W_2, residual=x)                 # w2 + residual
@@ -25,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear, decode_qkv
 from scratchlm.kernels.triton_support import can_use_triton
 from scratchlm.model.layers import Linear, RMSNorm, SwiGLU
 
@@ -64,11 +71,22 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
     attn = block.attn
     ln1, ln2 = block.ln1, block.ln2
 
+    rope = attn.rope if attn.rope is not None and not attn.qk_norm else None
+
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
         h = x.reshape(b * t, d)
-        q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps)
-        a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
+        if rope is not None and not torch.compiler.is_compiling():
+            # RoPE and the cache write inside the q|k|v kernel (eager steps; a compiled step keeps
+            # Inductor's fused RoPE and an in-place cache write it can see)
+            k_buf, v_buf = view.cache.buffers(attn.layer_idx, w_qkv)
+            pos = view.pos if token_positions is None else token_positions.reshape(b)
+            q = decode_qkv(h, w_qkv, ln1.weight, ln1.eps, rope.cos, rope.sin, pos, k_buf, v_buf, attn.num_heads)
+            q = q.view(b, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (b, H, 1, d)
+            a = view.attend(q, k_buf[:b, :, :view.L], v_buf[:b, :, :view.L], view.mask).transpose(1, 2)
+        else:
+            q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps)
+            a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
         h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
         g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True)
         return decode_linear(g, w_2, residual=h).view(b, t, d)

@@ -33,11 +33,42 @@ from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
-__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_reference"]
+__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
 
 MAX_ROWS = 8  # rows a program multiplies at once: the kernel is for decode steps of small batches
 
 if triton is not None:
+
+    @triton.jit
+    def _products(X, W, G, x_rows, rows_ok, a_rows, b_rows, w_ok, K, EPS: tl.constexpr, HAS_NORM: tl.constexpr,
+                  TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) float32 products of the (RMS-normalised) rows of x with the weight
+        rows at `a_rows` and, with TWO, at `b_rows` (pointers to their starts), each rounded to
+        w's dtype as a matmul in that dtype returns it."""
+        if HAS_NORM:
+            squares = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                squares += tl.sum(x * x, axis=1)
+            inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_NORM:
+                g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x * inv_rms[:, None] * g[None, :]).to(X.dtype.element_ty)
+            x = x.to(W.dtype.element_ty).to(tl.float32)  # the matmul's operand, in w's dtype
+            tile_ok = w_ok[:, None] & k_ok[None, :]
+            w = tl.load(a_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+            acc_a += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            if TWO:
+                u = tl.load(b_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+                acc_b += tl.sum(x[:, None, :] * u[None, :, :], axis=2)
+        return acc_a.to(W.dtype.element_ty).to(tl.float32), acc_b.to(W.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _decode_linear_kernel(X, W, G, R, O, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
@@ -49,39 +80,57 @@ if triton is not None:
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs (of N, or of F)
         n_ok = n < N
         x_rows = X + rows[:, None].to(tl.int64) * stride_xm
-        if HAS_NORM:
-            squares = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-                squares += tl.sum(x * x, axis=1)
-            inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         w_rows = W + n[:, None].to(tl.int64) * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_NORM:
-                g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x * inv_rms[:, None] * g[None, :]).to(X.dtype.element_ty)
-            x = x.to(W.dtype.element_ty).to(tl.float32)  # the matmul's operand, in w's dtype
-            tile_ok = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-            if GATE_UP:  # the up projection's rows sit N (= F) rows further down
-                u = tl.load(w_rows + N * stride_wn + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-                acc_up += tl.sum(x[:, None, :] * u[None, :, :], axis=2)
-        out = acc.to(W.dtype.element_ty).to(tl.float32)
+        # with GATE_UP the up projection's rows sit N (= F) rows below the gate's
+        out, up = _products(X, W, G, x_rows, rows_ok, w_rows, w_rows + N * stride_wn, n_ok, K, EPS, HAS_NORM,
+                            GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATE_UP:
-            up = acc_up.to(W.dtype.element_ty).to(tl.float32)
             out = (out * tl.sigmoid(out) * up).to(W.dtype.element_ty).to(tl.float32)
         out_ok = rows_ok[:, None] & n_ok[None, :]
         if HAS_RES:
             r = tl.load(R + rows[:, None].to(tl.int64) * stride_rm + n[None, :], mask=out_ok, other=0.0)
             out = r.to(tl.float32) + out
         tl.store(O + rows[:, None].to(tl.int64) * stride_om + n[None, :], out.to(O.dtype.element_ty), mask=out_ok)
+
+    @triton.jit
+    def _decode_qkv_kernel(X, W, G, COS, SIN, POS, Q, KC, VC, M, K, stride_xm, stride_wn, stride_qm,
+                           stride_cr, stride_ch, stride_cn, stride_table,
+                           EPS: tl.constexpr, HAS_NORM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One program: BLOCK_P interleaved pairs (2i, 2i + 1) of one head of q, k or v. Queries
+        and keys are rotated by RoPE at each row's position; q goes to Q, k and v to the caches
+        at slot pos[row] of row `row`."""
+        programs_a_head: tl.constexpr = HEAD_DIM // 2 // BLOCK_P
+        head = tl.program_id(0) // programs_a_head
+        pair = (tl.program_id(0) % programs_a_head) * BLOCK_P + tl.arange(0, BLOCK_P)
+        rows = tl.arange(0, BLOCK_M)
+        rows_ok = rows < M
+        x_rows = X + rows[:, None].to(tl.int64) * stride_xm
+        even = W + (head * HEAD_DIM + 2 * pair)[:, None].to(tl.int64) * stride_wn
+        pair_ok = pair < HEAD_DIM // 2
+        e, o = _products(X, W, G, x_rows, rows_ok, even, even + stride_wn, pair_ok, K, EPS, HAS_NORM, True,
+                         BLOCK_M, BLOCK_P, BLOCK_K)
+        pos = tl.load(POS + rows, mask=rows_ok, other=0)
+        out_ok = rows_ok[:, None] & pair_ok[None, :]
+        table = pos[:, None].to(tl.int64) * stride_table + pair[None, :]
+        cos = tl.load(COS + table, mask=out_ok, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + table, mask=out_ok, other=0.0).to(tl.float32)
+        rotated = head < NUM_HEADS + NUM_KV_HEADS  # q and k; v keeps its values
+        e_out = tl.where(rotated, e * cos - o * sin, e)
+        o_out = tl.where(rotated, e * sin + o * cos, o)
+        col = 2 * pair[None, :]
+        q_at = Q + rows[:, None].to(tl.int64) * stride_qm + head * HEAD_DIM + col
+        is_q = head < NUM_HEADS
+        tl.store(q_at, e_out.to(Q.dtype.element_ty), mask=out_ok & is_q)
+        tl.store(q_at + 1, o_out.to(Q.dtype.element_ty), mask=out_ok & is_q)
+        is_k = (head >= NUM_HEADS) & rotated
+        kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
+        slot = rows[:, None].to(tl.int64) * stride_cr + kv_head * stride_ch + pos[:, None].to(tl.int64) * stride_cn + col
+        tl.store(KC + slot, e_out.to(KC.dtype.element_ty), mask=out_ok & is_k)
+        tl.store(KC + slot + 1, o_out.to(KC.dtype.element_ty), mask=out_ok & is_k)
+        tl.store(VC + slot, e_out.to(VC.dtype.element_ty), mask=out_ok & ~rotated)
+        tl.store(VC + slot + 1, o_out.to(VC.dtype.element_ty), mask=out_ok & ~rotated)
 
 
 def decode_linear_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None,
@@ -166,3 +215,76 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | 
     """(RMSNorm of) x (M, K) times wᵀ, then the SwiGLU gate (`gate_up`) and/or plus `residual`:
     see the module docstring. Rows past MAX_ROWS, or tensors Triton cannot run, take torch's path."""
     return _decode_linear_op(x, w, norm_weight, residual, float(eps), bool(gate_up))
+
+
+def decode_qkv_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                         cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What `decode_qkv` computes, with torch: the projection as `decode_linear_reference`, RoPE on
+    q and k as `scratchlm.model.rope.apply_rope`, k and v written to the caches."""
+    from scratchlm.model.rope import apply_rope
+
+    rows, kv_heads, d = x.shape[0], k_cache.shape[1], k_cache.shape[3]
+    q, k, v = decode_linear_reference(x, w, norm_weight, None, eps).split(
+        (num_heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    c, s = cos[pos][:, None], sin[pos][:, None]  # (rows, 1, d/2): over heads
+    q = apply_rope(q.reshape(rows, num_heads, d), c, s)
+    k = apply_rope(k.reshape(rows, kv_heads, d), c, s)
+    at = torch.arange(rows, device=x.device)
+    k_cache[at, :, pos] = k.to(k_cache.dtype)
+    v_cache[at, :, pos] = v.reshape(rows, kv_heads, d).to(v_cache.dtype)
+    return q.reshape(rows, num_heads * d)
+
+
+def _check_qkv(x, w, cos, pos, k_cache, v_cache, num_heads) -> None:
+    rows, (slots, kv_heads, _, d) = x.shape[0], k_cache.shape
+    if (x.dim() != 2 or w.shape != ((num_heads + 2 * kv_heads) * d, x.shape[1]) or v_cache.shape != k_cache.shape
+            or d % 2 or cos.shape[-1] != d // 2 or pos.shape != (rows,) or rows > slots):
+        raise ValueError(f"decode_qkv: x (M, K), w ((H + 2·Hkv)·d, K), caches (slots >= M, Hkv, L, d), cos "
+                         f"(positions, d/2), pos (M,); got x {tuple(x.shape)}, w {tuple(w.shape)}, caches "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, cos {tuple(cos.shape)}, pos "
+                         f"{tuple(pos.shape)}, H {num_heads}")
+
+
+def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    _check_qkv(x, w, cos, pos, k_cache, v_cache, num_heads)
+    rows, kv_heads, d = x.shape[0], k_cache.shape[1], k_cache.shape[3]
+    runs = (_can_use_triton(w) and rows <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and cos.stride(1) == 1
+            and sin.stride() == cos.stride())
+    if not runs:
+        return decode_qkv_reference(x, w, norm_weight, eps, cos, sin, pos, k_cache, v_cache, num_heads)
+    q = torch.empty((rows, num_heads * d), dtype=w.dtype, device=w.device)
+    block_m = triton.next_power_of_2(rows)
+    block_p = 2 if rows > 1 and d % 4 == 0 else 1  # pairs a program: 2 or 4 weight rows, as blocks_for picks
+    block_k = max(32, min(triton.next_power_of_2(x.shape[1]), 2048, TILE_TERMS // (block_m * block_p)))
+    heads = num_heads + 2 * kv_heads
+    g = x if norm_weight is None else norm_weight
+    with _device(w):
+        grid = lambda meta: (heads * (d // 2 // meta["BLOCK_P"]),)  # noqa: E731 (a function of the launch metadata)
+        wrap_triton(_decode_qkv_kernel)[grid](
+            x, w, g, cos, sin, pos, q, k_cache, v_cache, rows, x.shape[1], x.stride(0), w.stride(0), q.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
+            EPS=float(eps), HAS_NORM=norm_weight is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=4 if block_k >= 2048 else 2)
+    return q
+
+
+def _decode_qkv_fake(x, w, norm_weight, eps, cos, sin, pos, k_cache, v_cache, num_heads):
+    return torch.empty((x.shape[0], num_heads * k_cache.shape[3]), dtype=w.dtype, device=w.device)
+
+
+_decode_qkv_op = _register("scratchlm::decode_qkv", _decode_qkv_impl, _decode_qkv_fake,
+                           mutates_args=("k_cache", "v_cache"))
+
+
+def decode_qkv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               num_heads: int) -> torch.Tensor:
+    """A decode step's q|k|v in one kernel: (RMSNorm of) x (M, K) times the stacked q|k|v weight w
+    ((H + 2·Hkv)·d, K), RoPE (interleaved pairs, `scratchlm.model.rope`) on q and k at each row's
+    position pos[row] from the (positions, d/2) tables cos and sin, and k and v written to the
+    caches (slots, Hkv, L, d) at [row, :, pos[row]]. Returns the rotated q, (M, H·d) in w's dtype."""
+    return _decode_qkv_op(x, w, norm_weight, float(eps), cos, sin, pos, k_cache, v_cache, int(num_heads))

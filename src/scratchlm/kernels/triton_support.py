@@ -109,11 +109,12 @@ def wrap_triton(kernel):
     return torch.library.wrap_triton(kernel) if op_registration() == "triton_op" else kernel
 
 
-def register_op(name: str, impl, fake):
+def register_op(name: str, impl, fake, *, mutates_args: tuple[str, ...] = ()):
     """The op `name` running `impl`: a triton_op where torch has one (its body is its own fake
-    kernel), else a custom op with the fake kernel `fake`. `impl` must not mutate its inputs."""
+    kernel), else a custom op with the fake kernel `fake`. `impl` mutates only the arguments
+    named in `mutates_args`."""
     if op_registration() == "custom_op":
-        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         op.register_fake(fake)
         return op
     # Without triton (CPU wheels) triton_op still works (the body then only runs the PyTorch
@@ -123,6 +124,6 @@ def register_op(name: str, impl, fake):
     if triton is None:
         log.setLevel(logging.ERROR)
     try:
-        return torch.library.triton_op(name, mutates_args=())(impl)
+        return torch.library.triton_op(name, mutates_args=mutates_args)(impl)
     finally:
         log.setLevel(level)
