@@ -246,6 +246,134 @@ def test_expert_iteration_resumed_ends_as_an_uninterrupted_run(runs, arm, within
         assert state["round"]["sft"]["step"] == 1 < state["round"]["rollout"]["kept"]
 
 
+# ---------------------------------------------------------------------------- killed outright
+
+
+class Killed(Exception):
+    """A process killed outright (SIGKILL, the OOM killer): no handler runs, nothing is saved then."""
+
+
+def _killed_at_call(module, name, number):
+    """What makes the `number`-th call of `module.name` kill the run (raise `Killed`) before it runs."""
+
+    def arm(patch) -> None:
+        real, calls = getattr(module, name), []
+
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == number:
+                raise Killed
+            return real(*args, **kwargs)
+
+        patch.setattr(module, name, wrapped)
+
+    return arm
+
+
+def _resumed_after_a_kill(runs, train, arm, every):
+    """`train(policy, log, resume, resume_every, on_checkpoint)` uninterrupted, then with its states
+    saved every `every` steps as the commands save them (`ResumePoint.saver`, policy and state in a
+    run folder) and killed as `arm(monkeypatch)` sets up, then resumed in a "new process" from what
+    the folder holds; asserts the same weights, history and logged rows (wall times aside) and
+    that the resumed run evaluates what the uninterrupted one did after the saved step. Returns
+    the state it resumed from."""
+    EVALUATED.clear()
+    whole, whole_log = runs.policy(), []
+    expected = train(whole, whole_log.append, None, 0, None)
+    evaluated = EVALUATED[:]
+
+    out = runs.tmp_path / "run"
+    killed, logged = runs.policy(), []
+    point = _point(out)
+    with pytest.MonkeyPatch.context() as patch:
+        arm(patch)
+        with pytest.raises(Killed):
+            train(killed, logged.append, None, every, point.saver(killed, out / "policy"))
+
+    torch.manual_seed(12345)  # a resumed run starts in a new process
+    resumed = runs.policy(out / "policy")
+    saved = _point(out).read().check_policy(resumed, out / "policy")
+    logged = [r for r in logged if r["step"] < saved.step]  # what the command keeps of metrics.jsonl
+    EVALUATED.clear()
+    history = train(resumed, logged.append, saved.loop, every, None)
+    _assert_same_weights(_weights(resumed), _weights(whole))
+    assert EVALUATED == [s for s in evaluated if s > saved.step]
+    assert _untimed(history) == _untimed(expected) and _untimed(logged) == _untimed(whole_log)
+    return saved
+
+
+@pytest.mark.parametrize("every, killed_in, saved", [(2, 5, 4), (5, 6, 5)],
+                         ids=["row-not-logged", "row-logged"])
+def test_sft_killed_resumes_from_its_last_periodic_state(runs, every, killed_in, saved):
+    sft = SFTConfig(micro_batch_size=3, grad_accum_steps=2, max_steps=6, log_every=4)
+
+    def train(policy, log, resume, resume_every, on_checkpoint):
+        return sft_train(policy, _sft_pairs(), sft=sft, optim=SCHEDULE, seed=7, log=log, resume=resume,
+                         evaluate=_evaluated(lambda step: {"accuracy": 0.5}), resume_every=resume_every,
+                         on_checkpoint=on_checkpoint)
+
+    kill = _killed_at_call(sft_module, "sft_microbatch_train_step", 2 * killed_in - 1)  # as step `killed_in` starts
+    state = _resumed_after_a_kill(runs, train, kill, every)
+    assert state.step == saved and len(state.loop["history"]) == saved
+
+
+def test_grpo_killed_resumes_from_its_last_periodic_state(runs):
+    # 4 updates a step, evaluated at every step; saved after step 2 (its evaluation in the state),
+    # killed in the 2nd update of step 4: the rows and evaluation of step 3 are done again.
+    grpo = GRPOConfig(n_grpo_steps=4, rollout_batch_size=4, group_size=2, train_batch_size=2, grad_accum_steps=1,
+                      epochs_per_rollout_batch=2, loss_type="grpo_clip", eval_every=1)
+    examples = ArithmeticTask(difficulty=1).examples(8)
+
+    def train(policy, log, resume, resume_every, on_checkpoint):
+        weights = _evaluated(lambda step: {"weights": sum(float(p.detach().sum()) for p in policy.model.parameters())})
+        return grpo_train(policy, examples, template=TEMPLATE, reward_fn=PARITY, grpo=grpo, optim=SCHEDULE,
+                          sampling=SamplingConfig(max_new_tokens=5, batch_size=4), evaluate=weights, seed=5, log=log,
+                          resume=resume, resume_every=resume_every, on_checkpoint=on_checkpoint)
+
+    state = _resumed_after_a_kill(runs, train, _killed_at_call(grpo_module, "optimizer_step", 14), every=2)
+    assert state.step == 2 and state.loop["evaluated"] and "partial" not in state.loop
+
+
+def test_dpo_killed_resumes_from_its_last_periodic_state(runs):
+    pairs = arithmetic_preference_pairs(12)
+    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=2, max_steps=5, eval_every=2, log_every=3)
+
+    def train(policy, log, resume, resume_every, on_checkpoint):
+        reference = None if resume is None else frozen_copy(runs.policy().model)
+        return dpo_train(policy, pairs[:10], dpo=dpo, optim=SCHEDULE, eval_pairs=pairs[10:], reference=reference,
+                         seed=2, log=log, resume=resume, resume_every=resume_every, on_checkpoint=on_checkpoint)
+
+    # Saved after step 4, an evaluation step whose evaluation the state holds (not done again).
+    evaluations = []
+    with pytest.MonkeyPatch.context() as patch:
+        real = dpo_module.evaluate_preferences
+        patch.setattr(dpo_module, "evaluate_preferences", lambda *a, **k: evaluations.append(1) or real(*a, **k))
+        state = _resumed_after_a_kill(runs, train, _killed_at_call(dpo_module, "optimizer_step", 5), every=2)
+    assert state.step == 4 and "eval_loss" in state.loop["history"][-1]
+    assert len(evaluations) == 4 + 3 + 1  # uninterrupted: steps 0, 2, 4, 5; killed: 0, 2, 4; resumed: 5
+
+
+def test_expert_iteration_killed_resumes_from_its_last_periodic_state(runs):
+    ei = ExpertIterationConfig(n_ei_steps=3, questions_per_step=2, group_size=2)
+
+    def train(policy, log, resume, resume_every, on_checkpoint):
+        return expert_iteration(policy, ArithmeticTask(difficulty=1).examples(4), template=TEMPLATE,
+                                reward_fn=EVERYTHING, ei=ei, sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
+                                optim=SCHEDULE, sampling=SamplingConfig(max_new_tokens=4, batch_size=4),
+                                evaluate=_evaluated(lambda step: {"accuracy": 0.0}), seed=4, log=log, resume=resume,
+                                resume_every=resume_every, on_checkpoint=on_checkpoint)
+
+    state = _resumed_after_a_kill(runs, train, _killed_at_call(ei_module, "sft_train", 3), every=1)
+    assert state.step == 2 and state.loop["round"] is None and state.loop["evaluated"]
+
+
+def test_loops_save_their_state_only_every_n_steps(tiny_policy):
+    saved = []
+    sft_train(tiny_policy, _sft_pairs(), sft=SFTConfig(micro_batch_size=3, grad_accum_steps=1, max_steps=7),
+              optim=SCHEDULE, resume_every=3, on_checkpoint=saved.append)
+    assert [s["step"] for s in saved] == [3, 6]  # (not the last: the end of the run saves the policy)
+
+
 # ---------------------------------------------------------------------------- the state on disk
 
 
@@ -295,6 +423,82 @@ def test_a_state_cut_short_while_written_leaves_the_previous_one(tmp_path, monke
         _write(tmp_path, step=5)
     assert _point(tmp_path).read().step == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resume"]  # no staging folder left
+
+
+def _loop_state(step):
+    return {"step": step, "optimizer": {"state": {}, "param_groups": []}, "history": [{"step": step}]}
+
+
+SAVE_WRITES = {"fileio": 5, "torch": 3}  # files a save writes through fileio.open, and through write_torch
+
+
+@pytest.mark.parametrize("writer, cut", [(w, k) for w, n in SAVE_WRITES.items() for k in range(n + 1)])
+def test_a_save_cut_short_leaves_the_policy_beside_its_state(tiny_policy, tmp_path, cut_writes, monkeypatch,
+                                                            writer, cut):
+    # A save of the policy and its state (`ResumePoint.save`, as a periodic save or a signal does)
+    # cut at each of its writes, as a kill or a full disk would: the policy on disk is the one of
+    # the state --resume picks, the new pair when the save completed, else the one before.
+    from scratchlm.train import checkpoint
+
+    out = tmp_path / "policy"
+    _point(tmp_path).save(2, tiny_policy, out, _loop_state(2))
+    before = _weights(tiny_policy)
+    with torch.no_grad():
+        for p in tiny_policy.model.parameters():
+            p.add_(0.5)
+    after = _weights(tiny_policy)
+    if writer == "fileio":
+        cut_writes(after=cut)
+    else:
+        real, calls = checkpoint.write_torch, []
+
+        def full_disk(obj, path):
+            calls.append(path)
+            if len(calls) > cut:
+                raise OSError(28, "No space left on device")
+            real(obj, path)
+
+        monkeypatch.setattr(checkpoint, "write_torch", full_disk)
+    try:
+        _point(tmp_path).save(4, tiny_policy, out, _loop_state(4))
+        completed = True
+    except OSError:
+        completed = False
+    monkeypatch.undo()
+    assert completed == (cut == SAVE_WRITES[writer])  # (every write but the last is cut once)
+
+    policy = load_policy(out)
+    point = _point(tmp_path)
+    state = point.read().check_policy(policy, out)
+    assert state.step == (4 if completed else 2) and state.loop == _loop_state(state.step)
+    _assert_same_weights(_weights(policy), after if completed else before)
+    point.settle(state)  # (as a resumed run does) the next save keeps it until the one after is whole
+    point.save(6, policy, out, _loop_state(6))
+    assert _point(tmp_path).read().step == 6 and not (tmp_path / "resume.previous").exists()
+
+
+def test_resume_picks_the_state_before_when_the_policy_of_the_new_one_was_not_saved(tiny_policy, tmp_path,
+                                                                                     monkeypatch):
+    out = tmp_path / "policy"
+    _point(tmp_path).save(2, tiny_policy, out, _loop_state(2))
+    saved = load_policy(out)
+    with torch.no_grad():
+        for p in tiny_policy.model.parameters():
+            p.add_(0.5)
+    monkeypatch.setattr(type(tiny_policy), "save", lambda *a, **k: (_ for _ in ()).throw(Killed))
+    with pytest.raises(Killed):  # killed once the new state is written, as the policy is
+        _point(tmp_path).save(4, tiny_policy, out, _loop_state(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "resume", "resume.previous"]
+    newest = _point(tmp_path).read()
+    assert newest.step == 4 and newest.before.step == 2
+    assert newest.check_policy(saved, out).step == 2
+    with torch.no_grad():
+        for p in tiny_policy.model.parameters():
+            p.add_(0.5)
+    with pytest.raises(UserError, match=r"is not the policy saved with the training state in .*resume \(step 4\)"):
+        newest.check_policy(tiny_policy, out)
+    _point(tmp_path).discard()  # a finished run leaves neither
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
 
 
 @pytest.mark.parametrize("change, message", [

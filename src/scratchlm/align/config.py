@@ -264,8 +264,17 @@ class RunConfig:
     out_dir: str = "runs/align"  # metrics.jsonl, eval JSONL files and the final policy
     seed: int = 0
     progress: bool = True  # tqdm bars
+    # Steps (those of the metrics rows: optimizer steps of sft and dpo, grpo and expert-iteration
+    # steps) between saves of the policy and the training state that --resume continues from, as a
+    # Ctrl-C saves them, so that a run killed outright (SIGKILL, the OOM killer, a preempted
+    # machine) loses at most that many steps; 0 = only on a signal. Off here: a save writes the
+    # policy and the optimizer state (three times the weights in float32), and a step costs a
+    # second of SFT or minutes of GRPO, so no one interval suits every command; the presets
+    # (configs/align-*.toml, dpo.toml) set one fitted to theirs.
+    resume_every: int = 0
 
     def __post_init__(self) -> None:
+        _check_at_least("run", 0, resume_every=self.resume_every)
         if not self.out_dir.strip():  # (an unset variable) wrote config.toml, metrics.jsonl into the working directory
             raise ValueError(f"run.out_dir must name a folder (\".\" for the working directory), got {self.out_dir!r}")
         if not 0 <= self.seed < 2**32:  # numpy's range, as the other commands' seeds

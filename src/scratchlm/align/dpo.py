@@ -44,6 +44,7 @@ from scratchlm.align.sft import (
     ReportFn,
     StateFn,
     _bar,
+    checkpoint_due,
     fit_warmup,
     learning_rate,
     make_optimizer,
@@ -205,6 +206,8 @@ def dpo_train(
     stop: StopSignals | None = None,
     on_stop: StateFn | None = None,
     resume: dict[str, Any] | None = None,
+    resume_every: int = 0,
+    on_checkpoint: StateFn | None = None,
 ) -> list[dict[str, Any]]:
     """Train `policy.model` with DPO on preference pairs; returns one metrics dict per step.
 
@@ -221,6 +224,9 @@ def dpo_train(
     (`scratchlm.align.interrupt`). Given that state as `resume`, with the policy as it stopped and
     the starting policy as `reference`, the loop goes on as if it had not stopped: the evaluation
     the stop skipped, the same batches after it; the history returned holds the rows before too.
+    Every `resume_every` steps but the last, once the step is evaluated when due, `on_checkpoint`
+    gets the state a stop there would give `on_stop` (to save, with the policy, so that a run killed
+    outright resumes from there; no `save` then, which would write the same policy again).
     """
     model = policy.model
     data, fit = fit_preference_pairs(policy, pairs)
@@ -250,12 +256,17 @@ def dpo_train(
     def finish(step: int, row: dict[str, Any], stopping: bool) -> None:
         """Evaluate when due (unless `stopping`), then log the row, or keep it between log lines."""
         last = step == total
-        if held_out and not stopping and (last or (dpo.eval_every and step % dpo.eval_every == 0)):
+        due = last or (dpo.eval_every and step % dpo.eval_every == 0)
+        if held_out and not stopping and due and "eval_loss" not in row:  # (a resumed row may hold it)
             row.update(evaluate())
         if last or stopping or "eval_loss" in row or (step - 1) % log_every == 0:
             record(row)
         else:
             history.append(row)  # between log lines: in the history only
+
+    def loop_state(step: int) -> dict[str, Any]:  # what a resumed loop needs after `step`
+        return {"step": step, "optimizer": optimizer.state_dict(), "history": list(history), "rng": rng_state(),
+                "reference": weights_digest(reference)}
 
     first = 1
     if resume is None:
@@ -289,15 +300,18 @@ def dpo_train(
             row.update(fit.metrics(), **eval_fit.metrics("eval_"))
         stopping = stop_requested(stop)  # (the caller then saves the policy, so no save_every save here)
         finish(step, row, stopping)
-        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (step == total or stopping):
+        checkpoint = on_checkpoint is not None and checkpoint_due(step, total, resume_every) and not stopping
+        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (
+                step == total or stopping or checkpoint):
             save(step)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['reward_accuracy']:.2f}")
         if stopping:
             if on_stop is not None:
-                on_stop({"step": step, "optimizer": optimizer.state_dict(), "history": list(history),
-                         "rng": rng_state(), "reference": weights_digest(reference)})
+                on_stop(loop_state(step))
             break
+        if checkpoint:
+            on_checkpoint(loop_state(step))
     bar.close()
     model.eval()
     return history

@@ -23,7 +23,7 @@ from scratchlm.align.resume import restore_random
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
-    LogFn, LongWarmup, StateFn, eval_metrics, fit_warmup, recorder, schedule_length, sft_train,
+    LogFn, LongWarmup, StateFn, checkpoint_due, eval_metrics, fit_warmup, recorder, schedule_length, sft_train,
 )
 from scratchlm.errors import UserError
 from scratchlm.train.checkpoint import rng_state, set_rng_state
@@ -85,6 +85,8 @@ def expert_iteration(
     stop: StopSignals | None = None,
     on_stop: StateFn | None = None,
     resume: dict[str, Any] | None = None,
+    resume_every: int = 0,
+    on_checkpoint: StateFn | None = None,
 ) -> list[dict[str, Any]]:
     """Run expert iteration on `policy`; returns one metrics dict per EI step (step 0: start).
 
@@ -98,6 +100,9 @@ def expert_iteration(
     `scratchlm.align.interrupt`). Given that state as `resume`, with the policy as it stopped, the
     loop goes on as if it had not stopped: the rest of the step's SFT, or the evaluation the stop
     skipped, then the same samples after it; the history returned holds the rows before too.
+    Every `resume_every` EI steps but the last, once the step is evaluated and logged,
+    `on_checkpoint` gets the state a stop there would give `on_stop` (to save, so that a run killed
+    outright resumes from there).
     """
     check_train_examples(train_examples, ei)
     reward_fn = get_reward_fn(reward_fn)
@@ -117,11 +122,12 @@ def expert_iteration(
         record(row)
         return evaluated
 
-    def hand_over(step: int, sft_steps: int, evaluated: bool, partial: dict[str, Any] | None = None) -> None:
-        """Give `on_stop` the training state after `step` (`partial`: its SFT stopped part-way)."""
-        if on_stop is not None:
-            on_stop({"step": step, "sft_steps": sft_steps, "history": list(history), "round": partial,
-                     "evaluated": evaluated, "rollout_rng": rng.getstate(), "rng": rng_state()})
+    def hand_over(step: int, sft_steps: int, evaluated: bool, partial: dict[str, Any] | None = None, *,
+                  to: StateFn | None = on_stop) -> None:
+        """Give `to` (`on_stop`) the training state after `step` (`partial`: its SFT stopped part-way)."""
+        if to is not None:
+            to({"step": step, "sft_steps": sft_steps, "history": list(history), "round": partial,
+                "evaluated": evaluated, "rollout_rng": rng.getstate(), "rng": rng_state()})
 
     sft_steps, first = 0, 1
     resumed = None  # the step stopped during its SFT: its kept pairs, rollout metrics and the SFT's state
@@ -182,5 +188,7 @@ def expert_iteration(
             hand_over(step, sft_steps, evaluated, {"kept": kept, "rollout": rollout, "sft_seed": sft_seed,
                                                    "sft": stopped_sft[0]} if stopped_sft else None)
             break
+        if checkpoint_due(step, ei.n_ei_steps, resume_every):
+            hand_over(step, sft_steps, evaluated, to=on_checkpoint)
         sft_steps += len(sft_history)
     return history

@@ -58,8 +58,8 @@ from scratchlm.align.resume import restore_random
 from scratchlm.align.reward_registry import get_reward_fn
 from scratchlm.align.rewards import RewardFn
 from scratchlm.align.sft import (
-    LogFn, LongWarmup, StateFn, _bar, eval_metrics, fit_warmup, learning_rate, make_optimizer, optimizer_step,
-    recorder,
+    LogFn, LongWarmup, StateFn, _bar, checkpoint_due, eval_metrics, fit_warmup, learning_rate, make_optimizer,
+    optimizer_step, recorder,
 )
 from scratchlm.errors import UserError
 from scratchlm.train.checkpoint import rng_state, set_rng_state
@@ -507,6 +507,8 @@ def grpo_train(
     stop: StopSignals | None = None,
     on_stop: StateFn | None = None,
     resume: dict[str, Any] | None = None,
+    resume_every: int = 0,
+    on_checkpoint: StateFn | None = None,
 ) -> list[dict[str, Any]]:
     """Run `grpo.n_grpo_steps` GRPO steps on `policy` (fewer when `grpo.max_seconds` runs out
     first); returns one metrics dict per step.
@@ -522,6 +524,9 @@ def grpo_train(
     Given that state as `resume`, with the policy as it stopped, the loop goes on as if it had not
     stopped: the rest of the step's updates, or the evaluation the stop skipped, then the same
     rollouts after it; the history returned holds the rows before too, and ``elapsed_s`` counts on.
+    Every `resume_every` steps but the last, once the step is logged (evaluated when due),
+    `on_checkpoint` gets the state a stop there would give `on_stop` (to save, so that a run killed
+    outright resumes from there).
     """
     check_train_examples(train_examples, grpo)
     reward_fn = get_reward_fn(reward_fn)
@@ -552,15 +557,15 @@ def grpo_train(
         return out_of_time, evaluated
 
     def hand_over(step: int, elapsed: float, evaluated: bool, updates: UpdateProgress | None = None,
-                  rollouts: Rollouts | None = None) -> None:
-        """Give `on_stop` the training state after `step` (stopped part-way with `updates` of `rollouts`)."""
-        if on_stop is None:
+                  rollouts: Rollouts | None = None, *, to: StateFn | None = on_stop) -> None:
+        """Give `to` (`on_stop`) the training state after `step` (stopped part-way with `updates` of `rollouts`)."""
+        if to is None:
             return
         state = {"step": step, "update": update, "optimizer": optimizer.state_dict(), "history": list(history),
                  "evaluated": evaluated, "elapsed_s": elapsed, "rollout_rng": rng.getstate(), "rng": rng_state()}
         if updates is not None and updates.taken < per_step:
             state["partial"] = {"rollouts": rollouts.state_dict(), **updates.state_dict()}
-        on_stop(state)
+        to(state)
 
     update, first, started = 0, 1, time.perf_counter()
     resumed: UpdateProgress | None = None  # the updates of a step stopped part-way
@@ -612,5 +617,7 @@ def grpo_train(
             break
         if ends:
             break
+        if checkpoint_due(step, grpo.n_grpo_steps, resume_every):
+            hand_over(step, row["elapsed_s"], evaluated, to=on_checkpoint)
     bar.close()
     return history

@@ -8,7 +8,8 @@ take minutes). The policy is then whole: no update is ever half applied. `run_in
 such a loop with the handlers installed; when the loop returned on a signal, it saves the policy
 where the end of the run would have, then the training state the loop handed over
 (`scratchlm.align.resume.ResumePoint`: optimizer, step, data position, random states, metrics
-rows), logs a record ``{"phase": ..., "step": N, "interrupted": "SIGINT"}`` and raises
+rows; `ResumePoint.save` writes the two so that a kill while saving leaves a pair that belongs
+together), logs a record ``{"phase": ..., "step": N, "interrupted": "SIGINT"}`` and raises
 `TrainingInterrupted`, which the command line reports on one line, naming the command that
 resumes the run (the same one with ``--resume``), before exiting with 130 (SIGINT) or 143
 (SIGTERM). A second signal stops at once, without saving.
@@ -63,8 +64,11 @@ def run_interruptible(train: Callable[[StopSignals], History], *, phase: str, po
             return history
         last = history[-1] if history else {}
         step = last.get("step", 0)
-        policy.save(out, step=step)
-        state = resume.write(step, policy) if resume is not None and resume.loop is not None else None
+        if resume is not None and resume.loop is not None:
+            state = resume.save(step, policy, out)  # (the policy with it, as one pair: `ResumePoint.save`)
+        else:
+            policy.save(out, step=step)
+            state = None
         name = signal_name(stop.signum)
         log({"phase": phase, "step": step, "interrupted": name})
     unevaluated = evaluation is not None and evaluation not in last

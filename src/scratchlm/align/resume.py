@@ -16,13 +16,23 @@ the policy is saved, `ResumePoint.write` puts that state into ``run.out_dir/resu
 The folder is filled under a temporary name and swapped in whole (`fileio.replacing_tree`): a
 process killed while writing it leaves the previous state or none, never part of one.
 
+With ``run.resume_every`` the loops also hand their state over every N steps while they run
+(their ``on_checkpoint``), so that a run killed outright (SIGKILL, the OOM killer, a preempted
+machine) resumes from its last such step. `ResumePoint.save` writes that pair, the policy and
+its state, the way a signal does, and keeps a pair on disk that belongs together all along: the
+state before is moved to ``resume.previous/`` while the new one is written, then the policy is
+swapped in whole, then the old state goes. A process killed at any moment leaves ``policy/``
+with the state it was saved with, in ``resume/`` or in ``resume.previous/``; ``--resume`` takes
+whichever matches the policy (`SavedState.check_policy`).
+
 ``--resume`` trusts a state only for the run it belongs to. `ResumePoint.read` refuses, with one
 line: no state (the run finished, or a second signal stopped it before anything was saved); a
 damaged file (its checksum); the state of another command; a config that differs in a setting
 the training depends on (each named; `MAY_CHANGE` lists those that only change how the run
 executes or what it shows); other training data (their digest). `SavedState.check_policy` then
 refuses a policy in ``policy/`` other than the one saved with the state (the weights' digest: a
-process killed between the two saves, or a policy saved since).
+policy saved since), unless it is the one saved with the state before (``resume.previous/``: a
+process killed while saving the new policy).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import logging
 import random
 import shlex
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,14 +54,16 @@ from scratchlm.errors import UserError
 __all__ = ["MAY_CHANGE", "ResumePoint", "SavedState", "config_differences", "restore_random", "weights_digest"]
 
 RESUME_DIR = "resume"
+PREVIOUS_DIR = "resume.previous"  # the state before, kept while `ResumePoint.save` writes the next one
 STATE = "state.pt"
 LOOP = "loop.pt"
 FORMAT = 1  # of state.pt, for a later change of layout to recognise
 # Settings a resumed run may change: they choose the device and the kernels, what is shown or
-# logged, the evaluations and when the policy is saved, none of the training stream.
+# logged, the evaluations and when the policy and the state are saved, none of the training stream.
 MAY_CHANGE = frozenset({
-    "run.progress", "policy.device", "grpo.compile", "grpo.max_seconds", "grpo.eval_every", "dpo.eval_every",
-    "dpo.save_every", "sft.log_every", "dpo.log_every", "data.eval_limit", "sampling.eval_max_new_tokens",
+    "run.progress", "run.resume_every", "policy.device", "grpo.compile", "grpo.max_seconds", "grpo.eval_every",
+    "dpo.eval_every", "dpo.save_every", "sft.log_every", "dpo.log_every", "data.eval_limit",
+    "sampling.eval_max_new_tokens",
 })
 log = logging.getLogger("scratchlm.align")
 
@@ -107,14 +119,19 @@ class SavedState:
     step: int
     loop: dict[str, Any]
     policy_digest: str
+    before: SavedState | None = None  # the state in resume.previous/, when both are on disk
 
-    def check_policy(self, policy: Any, where: Path) -> None:
-        """UserError when `policy` (loaded from `where`) is not the policy this state was saved with."""
-        if weights_digest(policy.model) != self.policy_digest:
-            raise UserError(f"--resume: {where} is not the policy saved with the training state in {self.path} (step "
-                            f"{self.step}): the run was stopped again while saving, or another policy was saved "
-                            f"there since; start a new run from it (--policy.path={shlex.quote(str(where))} with "
-                            "another run.out_dir)")
+    def check_policy(self, policy: Any, where: Path) -> SavedState:
+        """The state `policy` (loaded from `where`) was saved with: this one, or the one before it (a
+        process killed while it saved the policy of this one); UserError when neither."""
+        digest = weights_digest(policy.model)
+        for state in (self, self.before):
+            if state is not None and state.policy_digest == digest:
+                return state
+        raise UserError(f"--resume: {where} is not the policy saved with the training state in {self.path} (step "
+                        f"{self.step}): the run was stopped again while saving, or another policy was saved "
+                        f"there since; start a new run from it (--policy.path={shlex.quote(str(where))} with "
+                        "another run.out_dir)")
 
 
 class ResumePoint:
@@ -131,6 +148,7 @@ class ResumePoint:
 
         self.out_dir = Path(out_dir)
         self.dir = self.out_dir / RESUME_DIR
+        self.previous = self.out_dir / PREVIOUS_DIR
         self.command = command
         self.config = config_to_dict(config)
         self.data = data_digest(data)
@@ -141,38 +159,79 @@ class ResumePoint:
         """Hold the state a loop hands over as it stops (its ``on_stop``)."""
         self.loop = loop_state
 
-    def write(self, step: int, policy: Any) -> Path:
-        """Write the kept loop state, at `step`, with the digest of `policy` as just saved; returns the folder."""
+    def write(self, step: int, policy: Any, loop: dict[str, Any] | None = None) -> Path:
+        """Write `loop` (by default the kept loop state), at `step`, with the digest of `policy` as just
+        saved; returns the folder."""
         from scratchlm.fileio import replacing_tree
         from scratchlm.train.checkpoint import write_checksums, write_torch
 
-        if self.loop is None:
+        loop = self.loop if loop is None else loop
+        if loop is None:
             raise ValueError("no loop state was kept to write")
         state = {"format": FORMAT, "command": self.command, "config": self.config, "data": self.data,
                  "step": int(step), "policy": weights_digest(policy.model)}
         with replacing_tree(self.dir) as staging:
-            write_torch(self.loop, staging / LOOP)
+            write_torch(loop, staging / LOOP)
             write_torch(state, staging / STATE)
             write_checksums(staging)
         return self.dir
 
-    def read(self) -> SavedState:
-        """The state to resume from, checked against this run (see the module docstring)."""
-        from scratchlm.train.checkpoint import DamagedCheckpoint, read_torch, verify_step_dir
+    def save(self, step: int, policy: Any, out: Path, loop: dict[str, Any] | None = None) -> Path:
+        """Save `policy` to `out` and `loop` (by default the kept loop state) at `step` as one pair;
+        returns the state's folder.
 
+        ``resume/`` holds the state saved with the policy in `out` (or is missing, when this run has
+        saved none, or `settle` left it in ``resume.previous/``). It becomes ``resume.previous/``, the
+        new state is written, the policy is swapped in whole, and only then does the old state go: a
+        process killed at any moment leaves the policy in `out` beside the state it was saved with.
+        """
+        from scratchlm.fileio import replacing_tree
+
+        if self.dir.exists():
+            if self.previous.exists():
+                shutil.rmtree(self.previous)  # (a state of an older policy, left by a process killed)
+            self.dir.rename(self.previous)
+        self.write(step, policy, loop)
+        with replacing_tree(out) as staging:
+            policy.save(staging, step=step)
+        if self.previous.exists():
+            shutil.rmtree(self.previous)
+        return self.dir
+
+    def saver(self, policy: Any, out: Path) -> Callable[[dict[str, Any]], None]:
+        """A loop's ``on_checkpoint``: `save` of the state it hands over, at its step, with `policy` to `out`."""
+
+        def checkpoint(loop: dict[str, Any]) -> None:
+            self.save(int(loop["step"]), policy, out, loop)
+
+        return checkpoint
+
+    def read(self) -> SavedState:
+        """The state to resume from, checked against this run (see the module docstring); with the
+        state before it, when ``resume.previous/`` still holds one (`SavedState.check_policy` picks)."""
         if not (self.dir / STATE).is_file():
+            if (self.previous / STATE).is_file():  # (killed while the next state was being written)
+                return self._read(self.previous)
             raise UserError(f"--resume: {self.out_dir} holds no training state to resume ({self.dir / STATE} is "
                             "missing): the run finished, was never interrupted, or a second signal stopped it "
                             "before saving; run without --resume to start it afresh")
+        state = self._read(self.dir)
+        if (self.previous / STATE).is_file():
+            state.before = self._read(self.previous)
+        return state
+
+    def _read(self, folder: Path) -> SavedState:
+        from scratchlm.train.checkpoint import DamagedCheckpoint, read_torch, verify_step_dir
+
         try:
-            verify_step_dir(self.dir, (STATE, LOOP), only=(STATE,))
-            state = read_torch(self.dir / STATE)
+            verify_step_dir(folder, (STATE, LOOP), only=(STATE,))
+            state = read_torch(folder / STATE)
         except DamagedCheckpoint as exc:
             raise UserError(f"--resume: {exc}; the run cannot be resumed, start it afresh without --resume") from None
         if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise UserError(f"--resume: {self.dir / STATE} is not a training state this scratchlm writes")
+            raise UserError(f"--resume: {folder / STATE} is not a training state this scratchlm writes")
         if state["command"] != self.command:
-            raise UserError(f"--resume: {self.dir} is the training state of `scratchlm {state['command']}`, not "
+            raise UserError(f"--resume: {folder} is the training state of `scratchlm {state['command']}`, not "
                             f"`scratchlm {self.command}`; resume it with `scratchlm {state['command']} ... --resume`, "
                             "or choose another run.out_dir")
         changed = config_differences(state["config"], self.config)
@@ -185,18 +244,29 @@ class ResumePoint:
                             "(a dataset file changed since?); resume with the same data, or start a new run "
                             "without --resume")
         try:
-            verify_step_dir(self.dir, (STATE, LOOP), only=(LOOP,))
-            loop = read_torch(self.dir / LOOP)
+            verify_step_dir(folder, (STATE, LOOP), only=(LOOP,))
+            loop = read_torch(folder / LOOP)
         except DamagedCheckpoint as exc:
             raise UserError(f"--resume: {exc}; the run cannot be resumed, start it afresh without --resume") from None
-        return SavedState(self.dir, int(state["step"]), loop, state["policy"])
+        return SavedState(folder, int(state["step"]), loop, state["policy"])
+
+    def settle(self, state: SavedState) -> None:
+        """Leave on disk only `state`, the one the run resumes from (`SavedState.check_policy`'s
+        choice), so that the next `save` keeps it while it writes the one after."""
+        if state.path == self.previous:
+            if self.dir.exists():
+                shutil.rmtree(self.dir)  # (its policy was never saved whole)
+        elif self.previous.exists():
+            shutil.rmtree(self.previous)
 
     def discard(self, *, fresh_run: bool = False) -> None:
         """Remove the state (consumed by a finished run, or replaced by a fresh one: `fresh_run` says so
         on stderr)."""
-        if not self.dir.exists():
+        if not (self.dir.exists() or self.previous.exists()):
             return
         if fresh_run:
             log.warning("warning: %s held the training state of an interrupted run; this run starts afresh (without "
                         "--resume) and discards it", self.dir)
-        shutil.rmtree(self.dir)
+        for folder in (self.dir, self.previous):
+            if folder.exists():
+                shutil.rmtree(folder)

@@ -129,6 +129,16 @@ def fit_warmup(optim: OptimConfig, total_steps: int, source: str, *, long_warmup
     return dataclasses.replace(optim, warmup_steps=shortened)
 
 
+def checkpoint_due(step: int, last: int, every: int) -> bool:
+    """Whether a loop saves its resume state after `step` (1-based) of `last`: every `every` steps
+    (0 = never) but the last, which the run's end saves.
+
+    >>> [s for s in range(1, 8) if checkpoint_due(s, 7, 3)]
+    [3, 6]
+    """
+    return every > 0 and step % every == 0 and step < last
+
+
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float) -> float:
     """Clip (when max_grad_norm > 0), set the learning rate, step, zero the gradients; returns the norm."""
     from scratchlm.optim.clip import clip_grad_norm
@@ -279,6 +289,8 @@ def sft_train(
     stop: StopSignals | None = None,
     on_stop: StateFn | None = None,
     resume: dict[str, Any] | None = None,
+    resume_every: int = 0,
+    on_checkpoint: StateFn | None = None,
 ) -> list[dict[str, Any]]:
     """Fine-tune `policy.model` on (prompt, response) pairs; returns one metrics dict per step.
 
@@ -293,6 +305,8 @@ def sft_train(
     `resume` (with the policy as it stopped), the loop goes on from there as if it had not stopped:
     no starting evaluation, the row of the step it stopped at logged if an uninterrupted run logs
     it, the same batches after it; the history returned holds the rows of the steps before too.
+    Every `resume_every` steps but the last, `on_checkpoint` gets the state a stop there would give
+    `on_stop` (to save, so that a run killed outright resumes from there).
     """
     model = policy.model
     if not pairs:
@@ -324,6 +338,9 @@ def sft_train(
 
     def logs(step: int) -> bool:  # whether the row of `step` (0-based) goes to `log`
         return step % max(sft.log_every, 1) == 0 or step == total - 1
+
+    def loop_state(steps: int) -> dict[str, Any]:  # what a resumed loop needs after `steps` steps
+        return {"step": steps, "optimizer": optimizer.state_dict(), "history": list(history), "rng": rng_state()}
 
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
@@ -360,9 +377,10 @@ def sft_train(
         bar.set_postfix(loss=f"{loss_sum:.3f}")
         if stopping:
             if on_stop is not None:
-                on_stop({"step": step + 1, "optimizer": optimizer.state_dict(), "history": list(history),
-                         "rng": rng_state()})
+                on_stop(loop_state(step + 1))
             break
+        if on_checkpoint is not None and checkpoint_due(step + 1, total, resume_every):
+            on_checkpoint(loop_state(step + 1))
     bar.close()
     model.eval()
     return history

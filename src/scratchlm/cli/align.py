@@ -6,8 +6,9 @@ the final policy (``policy/``, a run directory or a Hugging Face directory) into
 ``run.out_dir``. Ctrl-C (SIGINT) or SIGTERM stops them after the optimizer step in progress
 with that policy and the training state (``resume/``) saved (`scratchlm.align.interrupt`); they
 exit with 130 or 143, and the same command with ``--resume`` continues the run as if it had not
-stopped (`scratchlm.align.resume`). Without ``--resume`` a command run again into the same
-``run.out_dir`` starts afresh.
+stopped (`scratchlm.align.resume`). With ``run.resume_every`` they also save both every N steps,
+so that ``--resume`` continues a run killed outright from the last of those. Without
+``--resume`` a command run again into the same ``run.out_dir`` starts afresh.
 
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k --resume
@@ -119,8 +120,9 @@ def _start(cfg: Any, check: Callable[[Any], None] | None = None, *, point: Any =
 
     `check(policy)`, when given, runs before anything is written: what it refuses leaves
     run.out_dir as it was. `point` is the run's `ResumePoint`: with the `state` it read (--resume),
-    the policy comes from run.out_dir/policy, checked to be the one saved with that state; without
-    one, a state left by an interrupted run is discarded (the run starts afresh)."""
+    the policy comes from run.out_dir/policy, checked to be the one saved with that state (or the
+    state before it, `SavedState.check_policy`), which is returned with the policy and the folder;
+    without one, a state left by an interrupted run is discarded (the run starts afresh)."""
     import torch
 
     from scratchlm.align.policy import load_policy
@@ -139,14 +141,16 @@ def _start(cfg: Any, check: Callable[[Any], None] | None = None, *, point: Any =
                         "policy over it; choose another run.out_dir")
     policy = load_policy(cfg.policy.path if state is None else out_dir / "policy", resolve_device(cfg.policy.device))
     if state is not None:
-        state.check_policy(policy, out_dir / "policy")
+        state = state.check_policy(policy, out_dir / "policy")
     if check is not None:
         check(policy)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.toml")
     if point is not None and state is None:
         point.discard(fresh_run=True)
-    return policy, out_dir
+    elif point is not None:
+        point.settle(state)
+    return policy, out_dir, state
 
 
 def _inputs(cfg: Any):
@@ -248,13 +252,15 @@ def sft_command(argv: list[str]) -> int:
     point = ResumePoint(cfg.run.out_dir, command="sft", config=cfg, data=pairs, argv=argv)
     state = point.read() if resume else None
     # Training pairs too long are left out or cut (sft_train reports them); evaluation prompts must fit.
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, (), evals), point=point, state=state)
+    policy, out_dir, state = _start(cfg, _check_prompts_fit(cfg, template, (), evals), point=point, state=state)
     metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
                                progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup,
-                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop),
+                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop,
+                               resume_every=cfg.run.resume_every,
+                               on_checkpoint=point.saver(policy, out_dir / "policy")),
         phase="sft", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     # Saved before the final evaluation, so that a Ctrl-C during it loses no training.
     policy.save(out_dir / "policy", step=len(history))
@@ -280,14 +286,16 @@ def expert_iteration_command(argv: list[str]) -> int:
         cfg.optim = fit_warmup(cfg.optim, *bound, long_warmup=long_warmup)
     point = ResumePoint(cfg.run.out_dir, command="expert-iteration", config=cfg, data=train, argv=argv)
     state = point.read() if resume else None
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
+    policy, out_dir, state = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
     metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: expert_iteration(policy, train, template=template, reward_fn=reward_fn, ei=cfg.ei, sft=cfg.sft,
                                       optim=cfg.optim, sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed,
                                       log=metrics, progress=cfg.run.progress, long_warmup=long_warmup, stop=stop,
-                                      on_stop=point.keep, resume=None if state is None else state.loop),
+                                      on_stop=point.keep, resume=None if state is None else state.loop,
+                                      resume_every=cfg.run.resume_every,
+                                      on_checkpoint=point.saver(policy, out_dir / "policy")),
         phase="ei", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
     point.discard()
@@ -309,14 +317,15 @@ def grpo_command(argv: list[str]) -> int:
         cfg.optim = fit_warmup(cfg.optim, *grpo_updates(cfg.grpo), long_warmup=long_warmup)
     point = ResumePoint(cfg.run.out_dir, command="grpo", config=cfg, data=train, argv=argv)
     state = point.read() if resume else None
-    policy, out_dir = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
+    policy, out_dir, state = _start(cfg, _check_prompts_fit(cfg, template, train, evals), point=point, state=state)
     metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     evaluate = _evaluator(policy, cfg, template, evals, out_dir)
     history = run_interruptible(
         lambda stop: grpo_train(policy, train, template=template, reward_fn=reward_fn, grpo=cfg.grpo, optim=cfg.optim,
                                 sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed, log=metrics,
                                 progress=cfg.run.progress, long_warmup=long_warmup, stop=stop, on_stop=point.keep,
-                                resume=None if state is None else state.loop),
+                                resume=None if state is None else state.loop, resume_every=cfg.run.resume_every,
+                                on_checkpoint=point.saver(policy, out_dir / "policy")),
         phase="grpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
     point.discard()
@@ -365,13 +374,15 @@ def dpo_command(argv: list[str]) -> int:
     state = point.read() if resume else None
     # The reference is the starting policy: copied from the policy when the run starts, read again when it resumes.
     reference = None if state is None else _dpo_reference(cfg, state)
-    policy, out_dir = _start(cfg, point=point, state=state)
+    policy, out_dir, state = _start(cfg, point=point, state=state)
     metrics = MetricsWriter(out_dir, resumed_at=None if state is None else state.step)
     history = run_interruptible(
         lambda stop: dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out, reference=reference,
                                save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
                                log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup,
-                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop),
+                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop,
+                               resume_every=cfg.run.resume_every,
+                               on_checkpoint=point.saver(policy, out_dir / "policy")),
         phase="dpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_loss" if held_out else None,
         resume=point)
     policy.save(out_dir / "policy", step=history[-1]["step"])
