@@ -22,6 +22,11 @@ BLOCK_K along K (`blocks_for`), and multiplies them with the rows of x in float3
 It is the op ``scratchlm::decode_linear`` (a ``triton_op`` where torch has it, so torch.compile
 launches the kernel from its own code and CUDA graphs capture it); on tensors Triton cannot run it
 computes the same with torch (`decode_linear_reference`).
+
+``decode_qkv`` (op ``scratchlm::decode_qkv``) is the same kernel's loop for a stacked q|k|v weight,
+with the rest of an attention layer's per-token work before attention in its epilogue: each
+program computes interleaved pairs (2i, 2i + 1) of one head, rotates q's and k's by RoPE at the
+row's position, returns q and writes k and v into the KV cache (its mutated arguments).
 """
 
 from __future__ import annotations
