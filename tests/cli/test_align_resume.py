@@ -125,6 +125,68 @@ def test_a_run_stopped_twice_resumes_twice(base, tmp_path, capsys):
         _metrics(tmp_path / "whole" / "metrics.jsonl"))
 
 
+class Killed(BaseException):
+    """A process killed outright (SIGKILL, the OOM killer): nothing after it runs, nothing is saved then."""
+
+
+# command: (--run.resume_every, where the run is killed: module, function, call, the step it resumes from)
+KILLS = {
+    "sft": (3, (sft_module, "optimizer_step", 5), 3),  # the row of step 3 logged, set aside, logged again
+    "grpo": (1, (grpo_module, "optimizer_step", 10), 2),  # in step 3, after step 2's evaluation was saved
+    "dpo": (2, (dpo_module, "optimizer_step", 4), 2),
+    "expert-iteration": (1, (ei_module, "sft_train", 3), 2),
+}
+
+
+@pytest.mark.parametrize("command", list(KILLS))
+def test_a_run_killed_outright_resumes_from_its_last_periodic_save(base, tmp_path, command):
+    preset, options, _ = RUNS[command]
+    every, (module, name, call), saved = KILLS[command]
+    args = [command, preset, f"--policy.path={base}", *options, f"--run.resume_every={every}"]
+    assert main([*args, f"--run.out_dir={tmp_path / 'whole'}"]) == 0
+    out = tmp_path / "killed"
+    with pytest.MonkeyPatch.context() as patch:
+        real, calls = getattr(module, name), []
+
+        def killed(*a, **kw):
+            calls.append(1)
+            if len(calls) == call:
+                raise Killed
+            return real(*a, **kw)
+
+        patch.setattr(module, name, killed)
+        with pytest.raises(Killed):
+            main([*args, f"--run.out_dir={out}"])
+    killed_rows = _metrics(out / "metrics.jsonl")
+    assert not any("interrupted" in r for r in killed_rows) and (out / "resume" / "state.pt").is_file()
+    assert [p.name for p in (out / "policy" / "checkpoints").glob("step_*")] == [f"step_{saved:06d}"]
+
+    assert main([*args, f"--run.out_dir={out}", "--resume"]) == 0
+    whole, resumed = load_policy(tmp_path / "whole" / "policy"), load_policy(out / "policy")
+    a, b = whole.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _untimed(_metrics(out / "metrics.jsonl")) == _untimed(_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    # The rows from the saved step on (logged again by the resumed run) are set aside, not lost.
+    assert _metrics(out / "metrics.dropped.jsonl") == [r for r in killed_rows if r["step"] >= saved]
+    assert not (out / "resume").exists() and not (out / "resume.previous").exists()
+    evaluations = sorted(p.name for p in out.glob("eval_step_*.jsonl"))
+    assert evaluations == sorted(p.name for p in (tmp_path / "whole").glob("eval_step_*.jsonl"))
+
+
+def test_a_periodic_save_then_a_signal_resumes_from_the_signal(base, tmp_path, capsys):
+    preset, options, where = RUNS["sft"]
+    args = ["sft", preset, f"--policy.path={base}", *options, "--run.resume_every=2"]
+    assert main([*args, f"--run.out_dir={tmp_path / 'whole'}"]) == 0
+    stopped = [*args, f"--run.out_dir={tmp_path / 'stopped'}"]
+    assert "at step 3;" in _stopped(stopped, where, capsys)  # after the periodic save of step 2
+    assert main([*stopped, "--resume"]) == 0
+    a = load_policy(tmp_path / "whole" / "policy").model.state_dict()
+    b = load_policy(tmp_path / "stopped" / "policy").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _untimed(_metrics(tmp_path / "stopped" / "metrics.jsonl")) == _untimed(
+        _metrics(tmp_path / "whole" / "metrics.jsonl"))
+
+
 # ---------------------------------------------------------------------------- what is refused
 
 
