@@ -116,3 +116,47 @@ def test_a_signalled_run_saves_its_policy_records_the_stop_and_exits_with_the_si
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == again
     assert {"phase": phase, "step": step, "interrupted": name} in _metrics(out, "metrics.dropped.jsonl")
+
+
+def _stopped_at_call(module, call: int, args: list[str], patch) -> int:
+    """`main(args)` with a SIGINT raised in the `call`-th `module.optimizer_step`; its exit code."""
+    real, calls = module.optimizer_step, []
+
+    def signalled(*a, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            signal.raise_signal(signal.SIGINT)
+        return real(*a, **kw)
+
+    patch.setattr(module, "optimizer_step", signalled)
+    return main(args)
+
+
+@pytest.mark.usefixtures("sigint_handled")  # (for the runs stopped in this process)
+def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_save(tiny_policy, tmp_path, monkeypatch):
+    # SIGKILL leaves no handler a chance: what --resume continues is the last pair of policy and
+    # state saved every 3 steps (the kill may even land in a save). Resumed, then stopped two steps
+    # on, the run has the weights and the metrics of one that ran to that step without being killed.
+    base = tmp_path / "base"
+    tiny_policy.save(base)
+    preset, _, _, options = RUNS["sft"]
+    args = ["sft", preset, f"--policy.path={base}", *options, "--sft.log_every=1", "--run.resume_every=3"]
+    out = tmp_path / "killed"
+    with scratchlm_process(tmp_path, [*args, f"--run.out_dir={out}"]) as proc:
+        metrics = out / "metrics.jsonl"
+        wait_until(proc, lambda: metrics.is_file() and any(r["step"] >= 7 for r in _metrics(out)), "step 7")
+        proc.kill()
+        assert proc.wait(timeout=EXIT_TIMEOUT_S) == -signal.SIGKILL
+    saved = int((out / "policy" / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved % 3 == 0 and saved >= 3
+
+    with pytest.MonkeyPatch.context() as patch:
+        assert _stopped_at_call(sft_module, 2, [*args, f"--run.out_dir={out}", "--resume"], patch) == 130
+    with pytest.MonkeyPatch.context() as patch:
+        assert _stopped_at_call(sft_module, saved + 2, [*args, f"--run.out_dir={tmp_path / 'whole'}"], patch) == 130
+    a, b = _weights(tmp_path / "whole" / "policy"), _weights(out / "policy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    timings = ("eval_tokens_per_s",)
+    rows = [{k: v for k, v in r.items() if k not in timings} for r in _metrics(out)]
+    assert rows == [{k: v for k, v in r.items() if k not in timings} for r in _metrics(tmp_path / "whole")]
+    assert rows[-1] == {"phase": "sft", "step": saved + 2, "interrupted": "SIGINT"}
