@@ -124,7 +124,8 @@ def test_a_signal_saves_the_training_state_the_loop_kept_and_names_the_command_t
     with pytest.raises(TrainingInterrupted) as info:
         run_interruptible(train, phase="grpo", policy=policy, out=tmp_path / "policy", log=logged.append,
                           evaluation="eval_accuracy", resume=point)
-    assert policy.saved == [(tmp_path / "policy", 3)]
+    (where, step), = policy.saved  # into a folder of its own, put in place whole as policy/ (ResumePoint.save)
+    assert step == 3 and where.parent == tmp_path and not where.exists() and (tmp_path / "policy").is_dir()
     assert logged == [{"phase": "grpo", "step": 3, "interrupted": "SIGINT"}]
     assert str(info.value) == (f"interrupted by SIGINT at step 3; policy saved to {tmp_path / 'policy'} (its final "
                                f"evaluation skipped) and its training state to {tmp_path / 'resume'}; resume with: "
