@@ -374,6 +374,18 @@ def test_loops_save_their_state_only_every_n_steps(tiny_policy):
     assert [s["step"] for s in saved] == [3, 6]  # (not the last: the end of the run saves the policy)
 
 
+def test_dpo_policy_saves_carry_their_state_when_periodic_states_are_on(tiny_policy):
+    # A policy saved alone between two states would leave the last state without its policy.
+    saves, states = [], []
+    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=1, max_steps=7, eval_every=0, save_every=3)
+    dpo_train(tiny_policy, arithmetic_preference_pairs(8), dpo=dpo, optim=SCHEDULE, save=saves.append,
+              resume_every=2, on_checkpoint=lambda state: states.append(state["step"]))
+    assert saves == [] and states == [2, 3, 4, 6]
+    dpo_train(tiny_policy, arithmetic_preference_pairs(8), dpo=dpo, optim=SCHEDULE, save=saves.append,
+              on_checkpoint=lambda state: states.append(state["step"]))
+    assert saves == [3, 6]  # (periodic states off: the policy alone)
+
+
 # ---------------------------------------------------------------------------- the state on disk
 
 

@@ -225,8 +225,9 @@ def dpo_train(
     the starting policy as `reference`, the loop goes on as if it had not stopped: the evaluation
     the stop skipped, the same batches after it; the history returned holds the rows before too.
     Every `resume_every` steps but the last, once the step is evaluated when due, `on_checkpoint`
-    gets the state a stop there would give `on_stop` (to save, with the policy, so that a run killed
-    outright resumes from there; no `save` then, which would write the same policy again).
+    gets the state a stop there would give `on_stop` (to save with the policy, so that a run killed
+    outright resumes from there); with it on, a `save` due is such a save instead, so that the
+    policy on disk always has its state beside it.
     """
     model = policy.model
     data, fit = fit_preference_pairs(policy, pairs)
@@ -300,9 +301,10 @@ def dpo_train(
             row.update(fit.metrics(), **eval_fit.metrics("eval_"))
         stopping = stop_requested(stop)  # (the caller then saves the policy, so no save_every save here)
         finish(step, row, stopping)
-        checkpoint = on_checkpoint is not None and checkpoint_due(step, total, resume_every) and not stopping
-        if save is not None and dpo.save_every and step % dpo.save_every == 0 and not (
-                step == total or stopping or checkpoint):
+        saving = save is not None and dpo.save_every and step % dpo.save_every == 0 and not (step == total or stopping)
+        checkpoint = on_checkpoint is not None and resume_every > 0 and not stopping and (
+            saving or checkpoint_due(step, total, resume_every))
+        if saving and not checkpoint:
             save(step)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['reward_accuracy']:.2f}")
