@@ -374,6 +374,14 @@ def test_loops_save_their_state_only_every_n_steps(tiny_policy):
     assert [s["step"] for s in saved] == [3, 6]  # (not the last: the end of the run saves the policy)
 
 
+def test_resume_every_is_a_count_of_steps():
+    from scratchlm.align.config import RunConfig
+
+    assert RunConfig().resume_every == 0  # (the presets set one: configs/align-*.toml, dpo.toml)
+    with pytest.raises(ValueError, match=r"run\.resume_every must be >= 0, got -1"):
+        RunConfig(resume_every=-1)
+
+
 def test_dpo_policy_saves_carry_their_state_when_periodic_states_are_on(tiny_policy):
     # A policy saved alone between two states would leave the last state without its policy.
     saves, states = [], []
