@@ -117,7 +117,7 @@ def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", nargs="+", choices=sorted(SHAPES), default=["gpt2", "llama1b"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
