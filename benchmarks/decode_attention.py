@@ -27,7 +27,7 @@ import sys
 import torch
 
 from scratchlm.bench.results import environment, write_json
-from scratchlm.bench.timing import back_to_back
+from scratchlm.bench.timing import captured_call_seconds
 from scratchlm.infer.static_cache import grouped_sdpa
 from scratchlm.kernels.decode_attention_triton import decode_attention
 
@@ -50,21 +50,6 @@ def _inputs(b: int, H: int, Hkv: int, d: int, L: int, ragged: bool, seed: int = 
         pos = torch.full((b,), L - 1, device="cuda")
     mask = (torch.arange(L, device="cuda") <= pos[:, None])[:, None, None, :]
     return q, k_buf[:, :, :L], v_buf[:, :, :L], pos, mask
-
-
-def _graph_seconds(fn, repeats: int) -> float:
-    """Seconds a call of `fn`, captured CALLS_PER_GRAPH times in one CUDA graph, replayed back to back."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    return back_to_back(graph.replay, steps=10, repeats=repeats) / CALLS_PER_GRAPH
 
 
 def _forced(backend, q, k, v, mask):
@@ -92,7 +77,7 @@ def measure(name: str, b: int, L: int, ragged: bool, repeats: int) -> list[dict]
                "impl": peer}
         try:
             err = (fn().float() - expected).abs().max().item()
-            seconds = _graph_seconds(fn, repeats)
+            seconds = captured_call_seconds(fn, CALLS_PER_GRAPH, repeats)
         except RuntimeError as exc:  # a forced backend that does not take these inputs
             row["error"] = " ".join(str(exc).split())[:160]
             rows.append(row)

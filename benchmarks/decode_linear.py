@@ -31,6 +31,7 @@ import sys
 import torch
 
 from scratchlm.bench.results import environment, write_json
+from scratchlm.bench.timing import captured_call_seconds
 from scratchlm.kernels import decode_linear_triton
 from scratchlm.kernels.decode_linear_triton import decode_linear, decode_linear_reference
 
@@ -40,35 +41,10 @@ SHAPES = {  # model: (d_model, q|k|v width, d_ff)
 }
 
 
-def _graph_time(fn, calls: int, repeats: int) -> float:
-    """Seconds per call of `fn` captured `calls` times in one CUDA graph (median of `repeats` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
-
-
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    seconds = _graph_time(lambda: y.copy_(x), 10, 5)
+    seconds = captured_call_seconds(lambda: y.copy_(x), 10, 5, replays=1)
     return 2 * x.numel() / seconds
 
 
@@ -104,10 +80,11 @@ def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
                         if block_m * bn * bk > 16384 or (bk > 128 and bk > 2 * kw["x"].shape[1]):
                             continue
                         decode_linear_triton.blocks_for = lambda *a, t=(block_m, bn, bk, nw): t
-                        timings.append((_graph_time(lambda kw=kw: decode_linear(**kw), calls, repeats), bn, bk, nw))
+                        seconds = captured_call_seconds(lambda kw=kw: decode_linear(**kw), calls, repeats, replays=1)
+                        timings.append((seconds, bn, bk, nw))
                     seconds, bn, bk, nw = min(timings)
                     decode_linear_triton.blocks_for = chosen
-                    default = _graph_time(lambda kw=kw: decode_linear(**kw), calls, repeats)
+                    default = captured_call_seconds(lambda kw=kw: decode_linear(**kw), calls, repeats, replays=1)
                     out.append({"model": model, "projection": name, "rows": rows, "best_us": seconds * 1e6,
                                 "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "blocks_for_us": default * 1e6})
                     print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us (BLOCK_N {bn}, BLOCK_K {bk}, "
@@ -155,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     "torch_compiled": lambda kw=kw: compiled(**kw),
                     "matmul_only": lambda kw=kw: kw["x"] @ kw["w"].t(),
                 }
-                times = {peer: _graph_time(fn, args.calls, args.repeats) for peer, fn in peers.items()}
+                times = {peer: captured_call_seconds(fn, args.calls, args.repeats, replays=1)
+                         for peer, fn in peers.items()}
                 for peer, seconds in times.items():
                     row = {"model": model, "projection": name, "rows": rows, "peer": peer, "us": seconds * 1e6,
                            "weight_gb_per_s": nbytes / seconds / 1e9, "bandwidth_share": nbytes / seconds / bandwidth,

@@ -15,7 +15,7 @@ import torch
 
 from scratchlm.bench.harness import timing_device
 
-__all__ = ["back_to_back", "timed_windows"]
+__all__ = ["back_to_back", "captured_call_seconds", "timed_windows"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -65,3 +65,21 @@ def back_to_back(step: Callable[[], Any], steps: int, repeats: int = 3, *,
         end.synchronize()
         per_step.append(start.elapsed_time(end) / 1e3 / steps)
     return sorted(per_step)[len(per_step) // 2]
+
+
+def captured_call_seconds(fn: Callable[[], Any], calls: int, repeats: int = 3, *, replays: int = 10) -> float:
+    """Seconds per call of ``fn`` captured ``calls`` times back to back in one CUDA graph (after 3
+    warm-up calls on a side stream), the graph replayed ``replays`` times back to back, the median
+    of ``repeats`` such runs: a kernel's time with its launch inside a graph, as a captured
+    decode step runs it, without the host's launch cost. CUDA only."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return back_to_back(graph.replay, steps=replays, repeats=repeats) / calls

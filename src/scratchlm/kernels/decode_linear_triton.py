@@ -131,7 +131,8 @@ if triton is not None:
         tl.store(q_at + 1, o_out.to(Q.dtype.element_ty), mask=out_ok & is_q)
         is_k = (head >= NUM_HEADS) & rotated
         kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
-        slot = rows[:, None].to(tl.int64) * stride_cr + kv_head * stride_ch + pos[:, None].to(tl.int64) * stride_cn + col
+        slot = (rows[:, None].to(tl.int64) * stride_cr + kv_head * stride_ch
+                + pos[:, None].to(tl.int64) * stride_cn + col)
         tl.store(KC + slot, e_out.to(KC.dtype.element_ty), mask=out_ok & is_k)
         tl.store(KC + slot + 1, o_out.to(KC.dtype.element_ty), mask=out_ok & is_k)
         tl.store(VC + slot, e_out.to(VC.dtype.element_ty), mask=out_ok & ~rotated)
