@@ -87,8 +87,8 @@ def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
                     default = captured_call_seconds(lambda kw=kw: decode_linear(**kw), calls, repeats, replays=1)
                     out.append({"model": model, "projection": name, "rows": rows, "best_us": seconds * 1e6,
                                 "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "blocks_for_us": default * 1e6})
-                    print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us (BLOCK_N {bn}, BLOCK_K {bk}, "
-                          f"{nw} warps)  blocks_for's {default * 1e6:6.2f} us", flush=True)
+                    print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us "
+                          f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  blocks_for's {default * 1e6:6.2f} us", flush=True)
     finally:
         decode_linear_triton.blocks_for = chosen
     return out
