@@ -49,8 +49,8 @@ PARITY = lambda response, truth: {  # noqa: E731  (rewards that differ within a 
 EVERYTHING = lambda response, truth: {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}  # noqa: E731
 
 
-def _signal_at_call(module, name, number):
-    """What arms a SIGINT in this process at the `number`-th call of `module.name`, before it runs."""
+def _at_call(module, name, number, action):
+    """What makes the `number`-th call of `module.name` run `action()` first (a patch to arm)."""
 
     def arm(patch) -> None:
         real, calls = getattr(module, name), []
@@ -58,12 +58,17 @@ def _signal_at_call(module, name, number):
         def wrapped(*args, **kwargs):
             calls.append(1)
             if len(calls) == number:
-                signal.raise_signal(signal.SIGINT)
+                action()
             return real(*args, **kwargs)
 
         patch.setattr(module, name, wrapped)
 
     return arm
+
+
+def _signal_at_call(module, name, number):
+    """What arms a SIGINT in this process at the `number`-th call of `module.name`, before it runs."""
+    return _at_call(module, name, number, lambda: signal.raise_signal(signal.SIGINT))
 
 
 SIGNAL_IN_EVALUATION = {"step": None}  # the step whose evaluation `_evaluated` raises SIGINT in
@@ -256,18 +261,10 @@ class Killed(Exception):
 def _killed_at_call(module, name, number):
     """What makes the `number`-th call of `module.name` kill the run (raise `Killed`) before it runs."""
 
-    def arm(patch) -> None:
-        real, calls = getattr(module, name), []
+    def kill():
+        raise Killed
 
-        def wrapped(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == number:
-                raise Killed
-            return real(*args, **kwargs)
-
-        patch.setattr(module, name, wrapped)
-
-    return arm
+    return _at_call(module, name, number, kill)
 
 
 def _resumed_after_a_kill(runs, train, arm, every):
