@@ -58,6 +58,14 @@ def _untimed(rows):
     return [{k: v for k, v in r.items() if k not in WALL_TIME} for r in rows]
 
 
+def _assert_same_run(whole, stopped):
+    """The same policy weights and the same metrics rows (wall times aside) in two run folders."""
+    a = load_policy(whole / "policy").model.state_dict()
+    b = load_policy(stopped / "policy").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _untimed(_metrics(stopped / "metrics.jsonl")) == _untimed(_metrics(whole / "metrics.jsonl"))
+
+
 def _signal_at(patch, module, name, call) -> None:
     real, calls = getattr(module, name), []
 
@@ -118,11 +126,7 @@ def test_a_run_stopped_twice_resumes_twice(base, tmp_path, capsys):
     assert "at step 2;" in _stopped(stopped, (sft_module, "optimizer_step", 2), capsys)
     assert "at step 4;" in _stopped([*stopped, "--resume"], (sft_module, "optimizer_step", 2), capsys)
     assert main([*stopped, "--resume"]) == 0
-    a = load_policy(tmp_path / "whole" / "policy").model.state_dict()
-    b = load_policy(tmp_path / "stopped" / "policy").model.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _untimed(_metrics(tmp_path / "stopped" / "metrics.jsonl")) == _untimed(
-        _metrics(tmp_path / "whole" / "metrics.jsonl"))
+    _assert_same_run(tmp_path / "whole", tmp_path / "stopped")
 
 
 class Killed(BaseException):
@@ -180,11 +184,7 @@ def test_a_periodic_save_then_a_signal_resumes_from_the_signal(base, tmp_path, c
     stopped = [*args, f"--run.out_dir={tmp_path / 'stopped'}"]
     assert "at step 3;" in _stopped(stopped, where, capsys)  # after the periodic save of step 2
     assert main([*stopped, "--resume"]) == 0
-    a = load_policy(tmp_path / "whole" / "policy").model.state_dict()
-    b = load_policy(tmp_path / "stopped" / "policy").model.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _untimed(_metrics(tmp_path / "stopped" / "metrics.jsonl")) == _untimed(
-        _metrics(tmp_path / "whole" / "metrics.jsonl"))
+    _assert_same_run(tmp_path / "whole", tmp_path / "stopped")
 
 
 # ---------------------------------------------------------------------------- what is refused
