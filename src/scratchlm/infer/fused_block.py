@@ -1,4 +1,4 @@
-"""A pre-norm block's decode step for a few rows in five kernels plus attention's own.
+"""A pre-norm block's decode step for a few rows in four kernels plus attention's own.
 
 A Llama-style block run module by module launches, per decode step, the RMSNorm, the q|k|v
 matmul, RoPE and the cache write, attention, the output projection, the residual add, the second
@@ -9,15 +9,15 @@ ride in the matmuls' kernels:
 
     qkv = decode_linear(x, W_qkv, norm=ln1)                 # RMSNorm + q|k|v
     a   = attn.attend_projected(qkv, positions, view)       # RoPE, cache write, attention
-
-and in an uncompiled step (where each of RoPE's and the cache write's small ops would be a
-kernel of its own) the first two lines are instead
-
-    q   = decode_qkv(x, W_qkv, norm=ln1, rope, pos, caches) # RMSNorm + q|k|v + RoPE + cache write
-    a   = view.attend(q, caches)                            # attention
     x   = decode_linear(a, W_o, residual=x)                 # output projection + residual
     g   = decode_linear(x, W_w1|w3, norm=ln2, gate_up=True) # RMSNorm + w1|w3 + silu(gate)·up
     x   = decode_linear(g, W_2, residual=x)                 # w2 + residual
+
+In an uncompiled step, where each of RoPE's and the cache write's small ops would be a kernel of
+its own, the first two lines are instead
+
+    q   = decode_qkv(x, W_qkv, norm=ln1, rope, pos, caches) # RMSNorm + q|k|v + RoPE + cache write
+    a   = view.attend(q, caches)                            # attention
 
 `fused_step(block, view, rows)` returns that step for a block whose math it reproduces, or None:
 pre-norm, `RMSNorm` norms, a `SwiGLU` FFN, plain bias-free projections without hooks, the
