@@ -74,8 +74,10 @@ def test_fused_blocks_reach_the_engine_and_keep_the_completions(ckpt, capsys, mo
     generate_command(base)
     plain = capsys.readouterr().out.splitlines()[:2]
     generate_command(base + ["--fused-blocks"])
-    assert capsys.readouterr().out.splitlines()[:2] == plain  # on the CPU the blocks run module by module
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[:2] == plain  # on the CPU the blocks run module by module
     assert built == [False, True]
+    assert "note: --fused-blocks has no effect here (it needs a CUDA device)" in captured.err
 
 
 def test_generate_command_errors(ckpt):
@@ -136,3 +138,22 @@ def test_generate_command_says_when_the_context_cuts_samples(ckpt, capsys):
     assert int(re.search(r"sample 1/1 \((\d+) tokens\)", captured.out).group(1)) <= 30
     assert generate_command([str(ckpt), "--prompt", "ab", "--max-new-tokens", "5", "--device", "cpu"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_fused_blocks_say_why_they_cannot_take_effect(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from scratchlm.cli.infer import _note_if_blocks_unfused
+    from scratchlm.kernels import triton_support
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_support, "triton_available", lambda: True)
+    _note_if_blocks_unfused(SimpleNamespace(no_kv_cache=False), cuda, 9)
+    assert "at most 8 prompts at once, not 9" in capsys.readouterr().err
+    _note_if_blocks_unfused(SimpleNamespace(no_kv_cache=True), cuda, 1)
+    assert "needs the KV cache" in capsys.readouterr().err
+    _note_if_blocks_unfused(SimpleNamespace(no_kv_cache=False), cuda, 8)
+    assert capsys.readouterr().err == ""  # where they run: no note
+    monkeypatch.setattr(triton_support, "triton_available", lambda: False)
+    _note_if_blocks_unfused(SimpleNamespace(no_kv_cache=False), cuda, 1)
+    assert "needs triton" in capsys.readouterr().err

@@ -82,6 +82,18 @@ def _warn_if_context_cuts(prompts: list[list[int]], args: argparse.Namespace, co
           "(--no-kv-cache slides the window instead)", file=sys.stderr)
 
 
+def _note_if_blocks_unfused(args, device, n_prompts: int) -> None:
+    """--fused-blocks where it cannot take effect: say so rather than ignore it silently."""
+    from scratchlm.kernels.decode_linear_triton import MAX_ROWS
+    from scratchlm.kernels.triton_support import triton_available
+
+    why = ("it needs a CUDA device" if device.type != "cuda" else "it needs triton" if not triton_available()
+           else "it needs the KV cache" if args.no_kv_cache
+           else f"it takes at most {MAX_ROWS} prompts at once, not {n_prompts}" if n_prompts > MAX_ROWS else None)
+    if why is not None:
+        print(f"note: --fused-blocks has no effect here ({why}); the blocks run module by module", file=sys.stderr)
+
+
 def generate_command(argv: list[str]) -> int:
     """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
     args = _parser().parse_args(argv)
@@ -118,6 +130,8 @@ def generate_command(argv: list[str]) -> int:
             )
         prompts.append(ids)
     _warn_if_context_cuts(prompts, args, cfg.context_length)
+    if args.fused_blocks:
+        _note_if_blocks_unfused(args, device, len(prompts))
 
     start = time.perf_counter()
     outs = generate(
