@@ -115,6 +115,14 @@ def _check_out_dir(out_dir: Path) -> None:
                         "metrics.jsonl would be overwritten; choose another run.out_dir")
 
 
+def _resumable(cfg: Any, point: Any, state: Any, policy: Any, out_dir: Path) -> dict[str, Any]:
+    """The arguments every post-training loop takes to stop, resume and save resumably: hand its
+    state to `point` on a signal, continue from `state` (None: from the start), and save the policy
+    and state every `run.resume_every` steps."""
+    return {"on_stop": point.keep, "resume": None if state is None else state.loop,
+            "resume_every": cfg.run.resume_every, "on_checkpoint": point.saver(policy, out_dir / "policy")}
+
+
 def _start(cfg: Any, check: Callable[[Any], None] | None = None, *, point: Any = None, state: Any = None):
     """Seed, policy, then the output folder with the resolved config (a bad policy writes nothing).
 
@@ -258,9 +266,7 @@ def sft_command(argv: list[str]) -> int:
     history = run_interruptible(
         lambda stop: sft_train(policy, pairs, sft=cfg.sft, optim=cfg.optim, seed=cfg.run.seed, log=metrics,
                                progress=cfg.run.progress, report=print, evaluate=evaluate, long_warmup=long_warmup,
-                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop,
-                               resume_every=cfg.run.resume_every,
-                               on_checkpoint=point.saver(policy, out_dir / "policy")),
+                               stop=stop, **_resumable(cfg, point, state, policy, out_dir)),
         phase="sft", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     # Saved before the final evaluation, so that a Ctrl-C during it loses no training.
     policy.save(out_dir / "policy", step=len(history))
@@ -293,9 +299,7 @@ def expert_iteration_command(argv: list[str]) -> int:
         lambda stop: expert_iteration(policy, train, template=template, reward_fn=reward_fn, ei=cfg.ei, sft=cfg.sft,
                                       optim=cfg.optim, sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed,
                                       log=metrics, progress=cfg.run.progress, long_warmup=long_warmup, stop=stop,
-                                      on_stop=point.keep, resume=None if state is None else state.loop,
-                                      resume_every=cfg.run.resume_every,
-                                      on_checkpoint=point.saver(policy, out_dir / "policy")),
+                                      **_resumable(cfg, point, state, policy, out_dir)),
         phase="ei", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
     point.discard()
@@ -323,9 +327,8 @@ def grpo_command(argv: list[str]) -> int:
     history = run_interruptible(
         lambda stop: grpo_train(policy, train, template=template, reward_fn=reward_fn, grpo=cfg.grpo, optim=cfg.optim,
                                 sampling=cfg.sampling, evaluate=evaluate, seed=cfg.run.seed, log=metrics,
-                                progress=cfg.run.progress, long_warmup=long_warmup, stop=stop, on_stop=point.keep,
-                                resume=None if state is None else state.loop, resume_every=cfg.run.resume_every,
-                                on_checkpoint=point.saver(policy, out_dir / "policy")),
+                                progress=cfg.run.progress, long_warmup=long_warmup, stop=stop,
+                                **_resumable(cfg, point, state, policy, out_dir)),
         phase="grpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_accuracy", resume=point)
     policy.save(out_dir / "policy", step=len(history))
     point.discard()
@@ -380,9 +383,7 @@ def dpo_command(argv: list[str]) -> int:
         lambda stop: dpo_train(policy, train, dpo=cfg.dpo, optim=cfg.optim, eval_pairs=held_out, reference=reference,
                                save=lambda step: policy.save(out_dir / "policy", step=step), seed=cfg.run.seed,
                                log=metrics, progress=cfg.run.progress, report=print, long_warmup=long_warmup,
-                               stop=stop, on_stop=point.keep, resume=None if state is None else state.loop,
-                               resume_every=cfg.run.resume_every,
-                               on_checkpoint=point.saver(policy, out_dir / "policy")),
+                               stop=stop, **_resumable(cfg, point, state, policy, out_dir)),
         phase="dpo", policy=policy, out=out_dir / "policy", log=metrics, evaluation="eval_loss" if held_out else None,
         resume=point)
     policy.save(out_dir / "policy", step=history[-1]["step"])
