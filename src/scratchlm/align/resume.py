@@ -220,14 +220,19 @@ class ResumePoint:
             state.before = self._read(self.previous)
         return state
 
-    def _read(self, folder: Path) -> SavedState:
+    @staticmethod
+    def _load(folder: Path, name: str) -> Any:
+        """`name` in `folder`, after its checksum; a damaged file is a UserError."""
         from scratchlm.train.checkpoint import DamagedCheckpoint, read_torch, verify_step_dir
 
         try:
-            verify_step_dir(folder, (STATE, LOOP), only=(STATE,))
-            state = read_torch(folder / STATE)
+            verify_step_dir(folder, (STATE, LOOP), only=(name,))
+            return read_torch(folder / name)
         except DamagedCheckpoint as exc:
             raise UserError(f"--resume: {exc}; the run cannot be resumed, start it afresh without --resume") from None
+
+    def _read(self, folder: Path) -> SavedState:
+        state = self._load(folder, STATE)
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise UserError(f"--resume: {folder / STATE} is not a training state this scratchlm writes")
         if state["command"] != self.command:
@@ -243,12 +248,7 @@ class ResumePoint:
             raise UserError(f"--resume: the training data are not those the run in {self.out_dir} trained on "
                             "(a dataset file changed since?); resume with the same data, or start a new run "
                             "without --resume")
-        try:
-            verify_step_dir(folder, (STATE, LOOP), only=(LOOP,))
-            loop = read_torch(folder / LOOP)
-        except DamagedCheckpoint as exc:
-            raise UserError(f"--resume: {exc}; the run cannot be resumed, start it afresh without --resume") from None
-        return SavedState(folder, int(state["step"]), loop, state["policy"])
+        return SavedState(folder, int(state["step"]), self._load(folder, LOOP), state["policy"])
 
     def settle(self, state: SavedState) -> None:
         """Leave on disk only `state`, the one the run resumes from (`SavedState.check_policy`'s
