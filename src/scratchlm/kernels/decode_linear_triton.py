@@ -263,9 +263,9 @@ def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor
     if not runs:
         return decode_qkv_reference(x, w, norm_weight, eps, cos, sin, pos, k_cache, v_cache, num_heads)
     q = torch.empty((rows, num_heads * d), dtype=w.dtype, device=w.device)
-    block_m = triton.next_power_of_2(rows)
-    block_p = 2 if rows > 1 and d % 4 == 0 else 1  # pairs a program: 2 or 4 weight rows, as blocks_for picks
-    block_k = max(32, min(triton.next_power_of_2(x.shape[1]), 2048, TILE_TERMS // (block_m * block_p)))
+    # a program's two tiles (even and odd rows of its pairs) as the gated projection's (gate and up rows)
+    block_m, block_n, block_k, num_warps = blocks_for(rows, w.shape[0], x.shape[1], True)
+    block_p = block_n // 2 if (d // 2) % (block_n // 2) == 0 else 1  # pairs a program, whole within a head
     heads = num_heads + 2 * kv_heads
     g = x if norm_weight is None else norm_weight
     with _device(w):
@@ -274,7 +274,7 @@ def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor
             x, w, g, cos, sin, pos, q, k_cache, v_cache, rows, x.shape[1], x.stride(0), w.stride(0), q.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
             EPS=float(eps), HAS_NORM=norm_weight is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
-            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=4 if block_k >= 2048 else 2)
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=num_warps)
     return q
 
 
