@@ -36,13 +36,13 @@ from torch import Tensor, nn
 
 from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear, decode_qkv
 from scratchlm.kernels.triton_support import can_use_triton
-from scratchlm.model.layers import Linear, RMSNorm, SwiGLU
+from scratchlm.model.layers import Linear, RMSNorm, SwiGLU, hooked
 
 __all__ = ["fused_step", "fused_weights"]
 
 
 def _plain(module: nn.Module, kind: type) -> bool:
-    return type(module) is kind and not module._forward_hooks and not module._forward_pre_hooks
+    return type(module) is kind and not hooked(module)
 
 
 def fused_weights(block: nn.Module, view: Any, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.infer.stacked import fits_free_memory
-from scratchlm.model.layers import Linear, SoftcappedLinear, softcap
+from scratchlm.model.layers import Linear, SoftcappedLinear, hooked, softcap
 
 # The padded copy has a multiple of this many rows: bf16 output rows 128 bytes apart, a whole
 # number of the GEMM's tiles in V.
@@ -43,7 +43,7 @@ def _head_spec(model: nn.Module) -> tuple[Tensor, float | None] | None:
     head = getattr(model, "lm_head", None)
     if head is None or not hasattr(model, "hidden_states"):
         return None
-    if type(head) not in (Linear, SoftcappedLinear) or head._forward_hooks or head._forward_pre_hooks:
+    if type(head) not in (Linear, SoftcappedLinear) or hooked(head):
         return None
     weight = head.weight
     if type(weight) not in (Tensor, nn.Parameter) or weight.dim() != 2 or weight.shape[0] % HEAD_ROW_MULTIPLE == 0:

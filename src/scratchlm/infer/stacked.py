@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.model.attention import BiasedLinear
-from scratchlm.model.layers import Linear, SwiGLU
+from scratchlm.model.layers import Linear, SwiGLU, hooked
 
 
 def _plain(*modules: nn.Module) -> bool:
@@ -31,7 +31,7 @@ def _plain(*modules: nn.Module) -> bool:
     without hooks (a LoRA wrapper, FSDP's sharded weights or profiling hooks are left alone)."""
     kinds = {type(m) for m in modules}
     return (len(kinds) == 1 and kinds <= {Linear, BiasedLinear}
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+            and not any(hooked(m) for m in modules))
 
 
 def fits_free_memory(nbytes: int, device: torch.device, share: float = 0.25) -> bool:

@@ -42,6 +42,12 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether `module` has forward (pre-)hooks: code that computes its math in another way (fused
+    projections, the decoding engine's weight copies and kernels) would skip them."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def can_fuse(x: Tensor, *linears: nn.Module) -> bool:
     """Whether `project_together(x, linears)` may stand in for calling each of `linears` on x.
 
@@ -53,7 +59,7 @@ def can_fuse(x: Tensor, *linears: nn.Module) -> bool:
     weights, a LoRA module, profiling ranges) is still called as a module.
     """
     return (torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type) and all(
-        type(m) is Linear and not m._forward_hooks and not m._forward_pre_hooks for m in linears))
+        type(m) is Linear and not hooked(m) for m in linears))
 
 
 def stacked_linear(x: Tensor, stacked: tuple[Tensor, Tensor | None]) -> Tensor:
