@@ -30,7 +30,8 @@ Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after
 run (which also compiles and captures).
 --profile PREFIX writes, for batch 1 and 64, what one captured decode step spends its time on (kernels,
 GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt, and for batch 1 with GEMV_OPTIONS to
-PREFIX_b1_gemv.txt and with fused blocks to PREFIX_b1_fused.txt.
+PREFIX_b1_gemv.txt and with fused blocks to PREFIX_b1_fused.txt (PREFIX_b1_fused_projections.txt with
+RoPE and the cache write left to Inductor).
 """
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rollout-repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
-    p.add_argument("--profile-steps", nargs="*", default=["b1", "b1_gemv", "b1_fused", "b64"],
-                   choices=["b1", "b1_gemv", "b1_fused", "b64"], help="which steps --profile profiles")
+    steps = ["b1", "b1_gemv", "b1_fused", "b1_fused_projections", "b64"]
+    p.add_argument("--profile-steps", nargs="*", default=steps, choices=steps, help="which steps --profile profiles")
     p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
@@ -283,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         # each block's norms, SwiGLU gate and residual adds inside its matmul kernels
         # (`DecodeEngine(fused_blocks=True)`, scratchlm.infer.fused_block), compiled and not
         "scratchlm_engine_graphs_compile_fused": lambda: _variant("fused", model, prompt, n, fused_blocks=True),
+        # the same with RoPE and the cache write left to Inductor instead of in the q|k|v kernel
+        "scratchlm_engine_graphs_compile_fused_projections": lambda: _variant("fused_projections", model, prompt, n,
+                                                                              fused_blocks="projections"),
         "scratchlm_engine_graphs_fused": lambda: _variant("fused_eager", model, prompt, n, compile=False,
                                                           fused_blocks=True),
         # decode attention by torch's fused kernel over the masked window, where the engine's
@@ -309,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
         profiles = ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
-                    (1, "_fused", {"fused_blocks": True}), (64, "", {}))
+                    (1, "_fused", {"fused_blocks": True}),
+                    (1, "_fused_projections", {"fused_blocks": "projections"}), (64, "", {}))
         for B, name, options in profiles:
             if f"b{B}{name}" not in args.profile_steps:
                 continue

@@ -34,12 +34,9 @@ def _decode_logits(model, fused, rows=2):
     return engine, engine._decode_logits(ids, pos, 32)
 
 
-@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2, "qk_norm": True}])
-def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw):
-    model = _model(**kw)
-    _, expected = _decode_logits(model, False)
-    calls = []
-
+def _counted_ops(monkeypatch, calls):
+    """The fused step taken wherever Triton would run (on the CPU its kernels take the ops' torch
+    paths), its decode_linear and decode_qkv calls appended to `calls`."""
     def counted(name):
         real = getattr(fused_block, name)
 
@@ -49,16 +46,56 @@ def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw):
 
         return call
 
-    # the step taken wherever Triton would run: on the CPU its kernels take the ops' torch paths
     monkeypatch.setattr(fused_block, "can_use_triton", lambda t: True)
     for name in ("decode_linear", "decode_qkv"):
         monkeypatch.setattr(fused_block, name, counted(name))
-    _, got = _decode_logits(model, True)
+
+
+@pytest.mark.parametrize("fused", [True, "projections"])
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2, "qk_norm": True}])
+def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw, fused):
+    model = _model(**kw)
+    _, expected = _decode_logits(model, False)
+    calls = []
+    _counted_ops(monkeypatch, calls)
+    _, got = _decode_logits(model, fused)
     # four fused projections a block (q|k|v, output, w1|w3 gated, w2); q|k|v with RoPE and the
-    # cache write in its kernel, unless the block normalises q and k before RoPE
-    qkv = "decode_linear" if kw.get("qk_norm") else "decode_qkv"
+    # cache write in its kernel, unless the block normalises q and k before RoPE or they are
+    # left to torch ("projections")
+    qkv = "decode_linear" if kw.get("qk_norm") or fused == "projections" else "decode_qkv"
     assert calls == [qkv, "decode_linear", "gated", "decode_linear"] * 2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
+    """torch.compile traces the fused step with decode_qkv (an op that writes the cache), and a
+    second compiled step, which reads the first one's keys from the cache, gives the module
+    step's logits too. (Whether the write stays in place on a GPU shows in the time of
+    benchmarks/generate.py's fused rows.)"""
+    model = _model()
+    steps = [(torch.tensor([7, 8]), torch.tensor([3, 2])), (torch.tensor([9, 1]), torch.tensor([4, 3]))]
+
+    def two_steps(fused, compiled):
+        engine, _ = _decode_logits(model, fused)
+        decode = torch.compile(engine._decode_logits, backend="aot_eager", dynamic=False) if compiled \
+            else engine._decode_logits
+        with torch.no_grad():  # as `DecodeEngine.run` steps
+            return [decode(ids, pos, 32) for ids, pos in steps]
+
+    expected = two_steps(False, False)
+    calls = []
+    _counted_ops(monkeypatch, calls)
+    torch._dynamo.reset()
+    got = two_steps(True, True)
+    torch._dynamo.reset()
+    assert "decode_qkv" in calls
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_refuses_an_unknown_fused_blocks_value():
+    with pytest.raises(ValueError, match="fused_blocks must be"):
+        DecodeEngine(_model(), 2, 32, fused_blocks="all")
 
 
 def test_the_fused_kernels_give_the_logits_of_the_module_step():
@@ -92,14 +129,15 @@ def test_blocks_qualify_only_where_the_fused_step_reproduces_them():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, "projections"])
 @pytest.mark.parametrize("compile", [False, True])
-def test_fused_blocks_on_cuda_captured(compile):
+def test_fused_blocks_on_cuda_captured(compile, fused):
     model = _model().to("cuda", torch.bfloat16)
     with torch.no_grad():  # confident greedy paths: few argmax near-ties for bf16 rounding to flip
         model.lm_head.weight.mul_(8)
     prompts = [[1, 2, 3], [4, 5]]
-    outs = [DecodeEngine(model, 2, 64, compile=compile, fused_blocks=fused).run(prompts, [16, 16], temperature=0)
-            for fused in (False, True)]
+    outs = [DecodeEngine(model, 2, 64, compile=compile, fused_blocks=f).run(prompts, [16, 16], temperature=0)
+            for f in (False, fused)]
     for plain, fused in zip(*outs, strict=True):
         agree = sum(a == b for a, b in zip(plain, fused, strict=True))
         assert agree >= 12, outs  # bf16 rounding may flip a near-tie late in a random model's sequence

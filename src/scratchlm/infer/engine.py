@@ -56,6 +56,9 @@ from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
 # cuBLAS for each matmul shape (with their epilogues fused) at compile time: a longer start.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
+# `DecodeEngine(fused_blocks=...)`: off, on, or on with RoPE and the cache write left to torch
+FUSED_BLOCKS = (False, True, "projections")
+
 # The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
 # which torch.compile would specialise on, for little padding.
 PREFILL_BUCKET = 16
@@ -164,18 +167,22 @@ class DecodeEngine:
     for aligned logits rows; it counts against the same quarter with the stacked copies.
     `fused_blocks` runs decode steps of at most 8 rows through `scratchlm.infer.fused_block`:
     each pre-norm block's norms, SwiGLU gate and residual adds inside its four matmul kernels
-    (with the stacked copies, where Triton runs; off by default until measured on a GPU).
+    (with the stacked copies, where Triton runs; off by default until measured on a GPU), and
+    RoPE and the cache write inside the q|k|v kernel; `fused_blocks="projections"` leaves those
+    two to torch (to Inductor when compiled), for comparison.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool = False) -> None:
+                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = False) -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
             raise ValueError(f"decode_attention must be 'sdpa', 'triton' or 'auto', got {decode_attention!r}")
+        if fused_blocks not in FUSED_BLOCKS:
+            raise ValueError(f"fused_blocks must be True, False or 'projections', got {fused_blocks!r}")
         self.compile_mode = compile_mode
         self.inductor_options = dict(inductor_options or {})
         unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))

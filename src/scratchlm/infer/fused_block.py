@@ -13,11 +13,14 @@ ride in the matmuls' kernels:
     g   = decode_linear(x, W_w1|w3, norm=ln2, gate_up=True) # RMSNorm + w1|w3 + silu(gate)·up
     x   = decode_linear(g, W_2, residual=x)                 # w2 + residual
 
-In an uncompiled step, where each of RoPE's and the cache write's small ops would be a kernel of
-its own, the first two lines are instead
+RoPE and the cache write are then a few small kernels of their own (Inductor fuses RoPE into
+one, the in-place cache write is another), so by default the first two lines are instead
 
     q   = decode_qkv(x, W_qkv, norm=ln1, rope, pos, caches) # RMSNorm + q|k|v + RoPE + cache write
     a   = view.attend(q, caches)                            # attention
+
+with the cache buffers as the op's mutated arguments (torch.compile keeps the write in place).
+`DecodeEngine(fused_blocks="projections")` keeps the first form, for comparison.
 
 `fused_step(block, view, rows)` returns that step for a block whose math it reproduces, or None:
 pre-norm, `RMSNorm` norms, a `SwiGLU` FFN, plain bias-free projections without hooks, the
@@ -72,13 +75,12 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
     ln1, ln2 = block.ln1, block.ln2
 
     rope = attn.rope if attn.rope is not None and not attn.qk_norm else None
+    rope_in_kernel = view.cache.fused_blocks != "projections"
 
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
         h = x.reshape(b * t, d)
-        if rope is not None and not torch.compiler.is_compiling():
-            # RoPE and the cache write inside the q|k|v kernel (eager steps; a compiled step keeps
-            # Inductor's fused RoPE and an in-place cache write it can see)
+        if rope is not None and rope_in_kernel:  # RoPE and the cache write inside the q|k|v kernel
             k_buf, v_buf = view.cache.buffers(attn.layer_idx, w_qkv)
             pos = view.pos if token_positions is None else token_positions.reshape(b)
             q = decode_qkv(h, w_qkv, ln1.weight, ln1.eps, rope.cos, rope.sin, pos, k_buf, v_buf, attn.num_heads)

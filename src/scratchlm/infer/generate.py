@@ -65,7 +65,7 @@ def generate(
     kv_cache: str = "static",
     compile: bool = False,
     max_batch: int = 256,
-    fused_blocks: bool = False,
+    fused_blocks: bool | str = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens of each.
 
@@ -150,7 +150,7 @@ def release_engines(model: nn.Module | None = None) -> None:
 
 
 def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greedy: bool = False,
-                max_slots: int | None = None, fused_blocks: bool = False) -> DecodeEngine:
+                max_slots: int | None = None, fused_blocks: bool | str = False) -> DecodeEngine:
     """The engine kept for `model` when it fits the call, else a new one of `slots` rows.
 
     A sampled call needs an engine of exactly `slots` rows: which rows share a step decides

@@ -90,8 +90,9 @@ class StaticKVCache:
         # "triton" (`scratchlm.kernels.decode_attention_triton`: each row reads only its own keys)
         self.decode_attention = "sdpa"
         # decode steps of up to MAX_ROWS rows through `scratchlm.infer.fused_block` (the engine's
-        # `fused_blocks`): the norms, the SwiGLU gate and the residual adds inside the matmul kernels
-        self.fused_blocks = False
+        # `fused_blocks`): the norms, the SwiGLU gate and the residual adds inside the matmul kernels,
+        # and RoPE and the cache write too unless it is "projections"
+        self.fused_blocks: bool | str = False
 
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
