@@ -210,6 +210,7 @@ class DecodeEngine:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         self._forward = self._decode_eager  # the step's (logits, argmax or None)
+        self._advance = self._record  # the bookkeeping after a step
         self._prefill_forward = self._prefill_logits
         self._prefill_compiled_ran = False  # whether the compiled prefill has run once (`_prefill_call`)
         self.prefill_bucket = 1  # prefill widths are rounded up to a multiple of this
@@ -220,6 +221,7 @@ class DecodeEngine:
         self._pad_prefill_rows = self.prefill_graphs  # chunks padded to a power of two of rows
         if compile and cuda:
             self._forward = self._compiled_step()
+            self._advance = self._own_compiled(DecodeEngine._record, len(batch_buckets(slots)), "inductor")
             self._prefill_forward = self._compiled_prefill()
         if (compile and cuda) or self.prefill_graphs:
             self.prefill_bucket = PREFILL_BUCKET
@@ -246,13 +248,16 @@ class DecodeEngine:
         view = DecodeView(self.cache, pos, L)
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
 
-    def _decode_eager(self, tokens: Tensor, pos: Tensor, L: int) -> tuple[Tensor, None]:
+    def _decode_eager(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, None]:
+        # (finished rows may run past their end: their position is clamped)
+        pos = lens.clamp(max=self.max_len - 1)
         return self._decode_logits(tokens, pos, L), None  # a greedy step takes the argmax itself
 
-    def _decode_next(self, tokens: Tensor, pos: Tensor, L: int) -> tuple[Tensor, Tensor]:
-        """The step's logits (b, V) and their argmax (b,): compiled, the argmax is one fused
-        reduction instead of eager kernels after the graph's matmuls (unused by a sampled step)."""
-        logits = self._decode_logits(tokens, pos, L)
+    def _decode_next(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, Tensor]:
+        """The step's logits (b, V) and their argmax (b,) for rows of `lens` cached tokens:
+        compiled, the argmax is one fused reduction instead of eager kernels after the graph's
+        matmuls (unused by a sampled step)."""
+        logits = self._decode_logits(tokens, lens.clamp(max=self.max_len - 1), L)
         return logits, logits.argmax(dim=-1)
 
     def _compiled_step(self, backend="inductor"):
@@ -303,7 +308,10 @@ class DecodeEngine:
         return call
 
     def _record(self, nxt: Tensor, b: int) -> None:
-        """Append nxt (b,) to the unfinished rows among the first b; mark the rows it finishes."""
+        """After a decode step of the first b rows: count the token it cached in each, append nxt
+        (b,) to the unfinished ones and mark the rows it finishes. The engine calls it through
+        `_advance`: compiled with the engine, a few fused kernels where eagerly it is a dozen."""
+        self.lens[:b] = self.lens[:b].clamp(max=self.max_len - 1) + 1
         live = ~self.done[:b]
         rows = torch.arange(b, device=nxt.device)
         self.out[rows, self.n_out[:b]] = nxt  # a finished row writes past its end: ignored
@@ -318,11 +326,9 @@ class DecodeEngine:
         return (ids[:, None] == self.stop_ids).any(dim=-1)
 
     def _step_body(self, b: int, L: int, greedy: bool) -> Tensor:
-        pos = self.lens[:b].clamp(max=self.max_len - 1)  # finished rows may run past their end
-        logits, argmax = self._forward(self.tokens[:b], pos, L)
-        self.lens[:b] = pos + 1
-        if greedy:
-            self._record(logits.argmax(dim=-1) if argmax is None else argmax, b)
+        logits, argmax = self._forward(self.tokens[:b], self.lens[:b], L)
+        if greedy:  # (a sampled step's caller samples, then advances)
+            self._advance(logits.argmax(dim=-1) if argmax is None else argmax, b)
         return logits
 
     def _state(self) -> list[Tensor]:
@@ -595,6 +601,6 @@ class DecodeEngine:
             L = min(self.max_len, -(-hi // self.len_bucket) * self.len_bucket)
             logits = self._step(b, L, greedy)
             if not greedy:
-                self._record(sample_next(logits, *sampling), b)
+                self._advance(sample_next(logits, *sampling), b)
             step += 1
         return outs
