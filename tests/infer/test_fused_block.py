@@ -24,8 +24,8 @@ def _model(**kw):
                          rope_theta=10_000.0, dtype=torch.float32, **kw).eval()
 
 
-def _decode_logits(model, fused, rows=2):
-    engine = DecodeEngine(model, rows, 32, fused_blocks=fused)
+def _decode_logits(model, fused, rows=2, decode_attention="auto"):
+    engine = DecodeEngine(model, rows, 32, fused_blocks=fused, decode_attention=decode_attention)
     engine._refresh_projections()
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]][:rows]
     engine._prefill(list(range(rows)), prompts)
@@ -47,23 +47,25 @@ def _counted_ops(monkeypatch, calls):
         return call
 
     monkeypatch.setattr(fused_block, "can_use_triton", lambda t: True)
-    for name in ("decode_linear", "decode_qkv"):
+    for name in ("decode_linear", "decode_qkv", "decode_attention_linear"):
         monkeypatch.setattr(fused_block, name, counted(name))
 
 
-@pytest.mark.parametrize("fused", [True, "projections"])
+@pytest.mark.parametrize("fused, decode_attention", [(True, "sdpa"), (True, "triton"), ("projections", "triton")])
 @pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2, "qk_norm": True}])
-def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw, fused):
+def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw, fused, decode_attention):
     model = _model(**kw)
     _, expected = _decode_logits(model, False)
     calls = []
     _counted_ops(monkeypatch, calls)
-    _, got = _decode_logits(model, fused)
+    _, got = _decode_logits(model, fused, decode_attention=decode_attention)
     # four fused projections a block (q|k|v, output, w1|w3 gated, w2); q|k|v with RoPE and the
-    # cache write in its kernel, unless the block normalises q and k before RoPE or they are
-    # left to torch ("projections")
-    qkv = "decode_linear" if kw.get("qk_norm") or fused == "projections" else "decode_qkv"
-    assert calls == [qkv, "decode_linear", "gated", "decode_linear"] * 2
+    # cache write in its kernel and the Triton decode attention inside the output projection's,
+    # unless the block normalises q and k before RoPE or they are left to torch ("projections")
+    in_kernels = not kw.get("qk_norm") and fused is True
+    qkv = "decode_qkv" if in_kernels else "decode_linear"
+    out = "decode_attention_linear" if in_kernels and decode_attention == "triton" else "decode_linear"
+    assert calls == [qkv, out, "gated", "decode_linear"] * 2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -76,7 +78,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
     steps = [(torch.tensor([7, 8]), torch.tensor([3, 2])), (torch.tensor([9, 1]), torch.tensor([4, 3]))]
 
     def two_steps(fused, compiled):
-        engine, _ = _decode_logits(model, fused)
+        engine, _ = _decode_logits(model, fused, decode_attention="triton")
         decode = torch.compile(engine._decode_logits, backend="aot_eager", dynamic=False) if compiled \
             else engine._decode_logits
         with torch.no_grad():  # as `DecodeEngine.run` steps
@@ -88,7 +90,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
     torch._dynamo.reset()
     got = two_steps(True, True)
     torch._dynamo.reset()
-    assert "decode_qkv" in calls
+    assert "decode_qkv" in calls and "decode_attention_linear" in calls
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
@@ -98,12 +100,13 @@ def test_the_engine_refuses_an_unknown_fused_blocks_value():
         DecodeEngine(_model(), 2, 32, fused_blocks="all")
 
 
-def test_the_fused_kernels_give_the_logits_of_the_module_step():
+@pytest.mark.parametrize("decode_attention", ["sdpa", "triton"])
+def test_the_fused_kernels_give_the_logits_of_the_module_step(decode_attention):
     if not (triton_available() and interpreting()):
         pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1 with triton installed")
     model = _model(num_kv_heads=2)
     _, expected = _decode_logits(model, False, rows=3)
-    _, got = _decode_logits(model, True, rows=3)
+    _, got = _decode_logits(model, True, rows=3, decode_attention=decode_attention)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -170,3 +170,51 @@ def test_decode_qkv_reference_is_the_models_rope():
     q = decode_qkv_reference(x, w, nw, 1e-5, rope.cos, rope.sin, pos, k_cache, v_cache, 4)
     normed = decode_linear_reference(x, w[:32], nw, None, 1e-5).reshape(3, 4, 1, 8)  # q's rows, (rows, H, T=1, d)
     torch.testing.assert_close(q.reshape(3, 4, 1, 8), rope(normed, pos[:, None, None]))
+
+
+ATTENTION_CASES = [  # (b, H, Hkv, max_len, L, d, window, N): the splits attention_partials picks
+    (1, 4, 4, 80, 70, 16, 0, 24),  # batch 1: eight splits, most of them empty
+    (3, 4, 2, 200, 192, 12, 0, 40),  # grouped-query attention, a head dim that is not a power of two
+    (2, 2, 1, 150, 130, 16, 37, 8),  # sliding window
+    (MAX_ROWS, 16, 4, 40, 33, 8, 0, 16),  # rows x heads enough programs: one split each
+]
+
+
+def _check_attention_linear(device, dtype, atol):
+    from scratchlm.kernels.decode_linear_triton import decode_attention_linear
+    from tests.kernels.test_decode_attention_triton import _case, _loop_reference
+
+    for b, H, Hkv, max_len, L, d, window, N in ATTENTION_CASES:
+        q, k, v, pos = _case(b, H, Hkv, max_len, L, d, dtype, device)
+        g = torch.Generator().manual_seed(1)
+        w = (torch.randn(N, H * d, generator=g) / (H * d) ** 0.5).to(device=device, dtype=dtype)
+        r = torch.randn(b, N, generator=g).to(device=device, dtype=dtype)
+        got = decode_attention_linear(q, k, v, pos, window, w, r)
+        a = _loop_reference(q.cpu(), k.cpu(), v.cpu(), pos.cpu(), window).reshape(b, H * d).to(device)
+        expected = a @ w.double().t() + r.double()
+        assert got.shape == (b, N) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol, msg=str((b, H, Hkv, L, d, window)))
+        torch.testing.assert_close(decode_attention_linear(q, k, v, pos, window, w).double(),
+                                   expected - r.double(), rtol=0, atol=atol, msg="without the residual")
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_decode_attention_linear_equals_attention_then_the_projection_in_float64(dtype, atol):
+    _check_attention_linear("cpu", dtype, atol)
+
+
+@pytest.mark.gpu
+def test_decode_attention_linear_on_cuda():
+    _check_attention_linear("cuda", torch.bfloat16, 0.1)
+    _check_attention_linear("cuda", torch.float32, 1e-3)
+
+
+def test_decode_attention_linear_refuses_a_projection_of_another_width():
+    from scratchlm.kernels.decode_linear_triton import decode_attention_linear
+    from tests.kernels.test_decode_attention_triton import _case
+
+    q, k, v, pos = _case(2, 4, 4, 40, 30, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"w \(N, H·d\)"):
+        decode_attention_linear(q, k, v, pos, 0, torch.zeros(8, 31))
+    with pytest.raises(ValueError, match=r"residual \(b, N\)"):
+        decode_attention_linear(q, k, v, pos, 0, torch.zeros(8, 32), torch.zeros(3, 8))

@@ -1,4 +1,4 @@
-"""A pre-norm block's decode step for a few rows in four kernels plus attention's own.
+"""A pre-norm block's decode step for a few rows in five kernels.
 
 A Llama-style block run module by module launches, per decode step, the RMSNorm, the q|k|v
 matmul, RoPE and the cache write, attention, the output projection, the residual add, the second
@@ -14,13 +14,16 @@ ride in the matmuls' kernels:
     x   = decode_linear(g, W_2, residual=x)                 # w2 + residual
 
 RoPE and the cache write are then a few small kernels of their own (Inductor fuses RoPE into
-one, the in-place cache write is another), so by default the first two lines are instead
+one, the in-place cache write is another), and the split decode attention another two (its
+splits, then their combine). So by default the first three lines are instead
 
     q   = decode_qkv(x, W_qkv, norm=ln1, rope, pos, caches) # RMSNorm + q|k|v + RoPE + cache write
-    a   = view.attend(q, caches)                            # attention
+    x   = decode_attention_linear(q, caches, W_o, residual=x)  # attention + output projection
 
-with the cache buffers as the op's mutated arguments (torch.compile keeps the write in place).
-`DecodeEngine(fused_blocks="projections")` keeps the first form, for comparison.
+with the cache buffers as decode_qkv's mutated arguments (torch.compile keeps the write in
+place) and the attention's split results combined as the output projection's kernel reads them
+(with the engine's `decode_attention="triton"`; with "sdpa", attention and the projection stay
+two ops). `DecodeEngine(fused_blocks="projections")` keeps the first form, for comparison.
 
 `fused_step(block, view, rows)` returns that step for a block whose math it reproduces, or None:
 pre-norm, `RMSNorm` norms, a `SwiGLU` FFN, plain bias-free projections without hooks, the
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_linear, decode_qkv
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_attention_linear, decode_linear, decode_qkv
 from scratchlm.kernels.triton_support import can_use_triton
 from scratchlm.model.layers import Linear, RMSNorm, SwiGLU, hooked
 
@@ -76,6 +79,8 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
 
     rope = attn.rope if attn.rope is not None and not attn.qk_norm else None
     rope_in_kernel = view.cache.fused_blocks != "projections"
+    # the split decode attention's partial results combined by the output projection's kernel
+    combine_in_projection = rope_in_kernel and view.cache.decode_attention == "triton"
 
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
@@ -85,11 +90,16 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
             pos = view.pos if token_positions is None else token_positions.reshape(b)
             q = decode_qkv(h, w_qkv, ln1.weight, ln1.eps, rope.cos, rope.sin, pos, k_buf, v_buf, attn.num_heads)
             q = q.view(b, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (b, H, 1, d)
-            a = view.attend(q, k_buf[:b, :, :view.L], v_buf[:b, :, :view.L], view.mask).transpose(1, 2)
+            k_win, v_win = k_buf[:b, :, :view.L], v_buf[:b, :, :view.L]
+            if combine_in_projection:
+                h = decode_attention_linear(q, k_win, v_win, pos, view.sliding_window, w_o, residual=h)
+            else:
+                a = view.attend(q, k_win, v_win, view.mask).transpose(1, 2)
+                h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
         else:
             q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps)
             a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
-        h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
+            h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
         g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True)
         return decode_linear(g, w_2, residual=h).view(b, t, d)
 

@@ -36,7 +36,7 @@ from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
-__all__ = ["decode_attention", "decode_attention_reference"]
+__all__ = ["attention_partials", "decode_attention", "decode_attention_reference", "runs_on_triton"]
 
 BLOCK_N = 64  # keys a tile
 
@@ -64,7 +64,7 @@ if triton is not None:
                                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
-                                 QK_SCALE: tl.constexpr):
+                                 QK_SCALE: tl.constexpr, PARTIALS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         kv_head = head // GROUP
@@ -92,10 +92,11 @@ if triton is not None:
             v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=tile_ok, other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
-        if SPLITS == 1:
+        if SPLITS == 1 and not PARTIALS:
             out = acc / l_i
             tl.store(O + row * stride_ob + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d_ok)
-        else:  # the split's running max, sum and unnormalised output, for _combine_splits (an empty split: -inf, 0, 0)
+        else:  # the split's running max, sum and unnormalised output, for _combine_splits or the
+            # kernel that reads them (`attention_partials`; an empty split: -inf, 0, 0)
             idx = (row * num_heads + head) * SPLITS + split
             tl.store(M + idx, m_i)
             tl.store(LSUM + idx, l_i)
@@ -163,14 +164,13 @@ def splits_for(b: int, H: int, keys: int = 0) -> int:
     return 1
 
 
-def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                           window: int) -> torch.Tensor:
-    _check(q, k, v, pos)
-    if not _can_use_triton(k) or k.stride(3) != 1 or v.stride(3) != 1 or q.stride(3) != 1:
-        return decode_attention_reference(q, k, v, pos, window)
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
+            partials: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Run the attention kernel: (out or None, m, lsum, acc, splits). With `partials` the splits'
+    partial results are kept (one split or more) and not combined: out is None."""
     b, H, _, d = q.shape
     L = k.shape[2]
-    out = torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
+    out = None if partials else torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
     qk_scale = math.log2(math.e) / math.sqrt(d)
     block_d = triton.next_power_of_2(d)
     Hkv = k.shape[1]
@@ -178,22 +178,50 @@ def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     # b·H programs before splitting: one per (row, query head)
     splits = splits_for(b, H, L if window <= 0 else min(L, window))
     # the splits' partial results (unused, one element each, without splits)
-    parts = b * H * splits if splits > 1 else 1
+    parts = b * H * splits if splits > 1 or partials else 1
     m = torch.empty(parts, dtype=torch.float32, device=k.device)
     lsum = torch.empty(parts, dtype=torch.float32, device=k.device)
-    acc = torch.empty(parts * (block_d if splits > 1 else 1), dtype=torch.float32, device=k.device)
-    args = (q, k, v, out, pos, m, lsum, acc, L, window, H,
+    acc = torch.empty(parts * (block_d if parts > 1 or partials else 1), dtype=torch.float32, device=k.device)
+    o = m if out is None else out  # a pointer the kernel does not write to with partials
+    args = (q, k, v, o, pos, m, lsum, acc, L, window, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1))
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0) if out is not None else 0,
+            o.stride(1) if out is not None else 0)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window > 0, SPLITS=splits, QK_SCALE=qk_scale)
     with _device(k):
         grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
-        wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=group, BLOCK_N=BLOCK_N, num_warps=4, **common)
-        if splits > 1:
+        wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=group, BLOCK_N=BLOCK_N, PARTIALS=partials,
+                                                    num_warps=4, **common)
+        if splits > 1 and not partials:
             combine_grid = lambda meta: (b, H)  # noqa: E731
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
                                                        HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits, num_warps=1)
-    return out
+    return out, m, lsum, acc, splits
+
+
+def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel runs on these tensors (else the op takes torch's path)."""
+    return _can_use_triton(k) and k.stride(3) == 1 and v.stride(3) == 1 and q.stride(3) == 1
+
+
+def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The kernel's uncombined result, for a kernel that combines the splits as it reads them:
+    (m, lsum, acc, splits), the running max (base 2), sum and unnormalised output (b·H·splits
+    float32 values, and b·H·splits rows of next_power_of_2(d) for acc) of split s of row r and
+    head h at index (r·H + h)·splits + s. The output is acc / lsum of one split; of several,
+    Σ wₛ accₛ / Σ wₛ lsumₛ with wₛ = 2^(mₛ - maxₛ mₛ). Needs `runs_on_triton`."""
+    _check(q, k, v, pos)
+    _, m, lsum, acc, splits = _launch(q, k, v, pos, window, partials=True)
+    return m, lsum, acc, splits
+
+
+def _decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                           window: int) -> torch.Tensor:
+    _check(q, k, v, pos)
+    if not runs_on_triton(q, k, v):
+        return decode_attention_reference(q, k, v, pos, window)
+    return _launch(q, k, v, pos, window, partials=False)[0]
 
 
 def _decode_attention_fake(q, k, v, pos, window):

@@ -27,29 +27,59 @@ computes the same with torch (`decode_linear_reference`).
 with the rest of an attention layer's per-token work before attention in its epilogue: each
 program computes interleaved pairs (2i, 2i + 1) of one head, rotates q's and k's by RoPE at the
 row's position, returns q and writes k and v into the KV cache (its mutated arguments).
+
+``decode_attention_linear`` (op ``scratchlm::decode_attention_linear``) is a decode step's
+attention and the output projection after it (plus the residual): the split decode attention
+(`scratchlm.kernels.decode_attention_triton`) leaves its splits' partial results uncombined, and
+this kernel combines them as it loads its rows of x, so the combine is no kernel of its own.
 """
 
 from __future__ import annotations
 
 import torch
 
+from scratchlm.kernels.decode_attention_triton import attention_partials, decode_attention_reference, runs_on_triton
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
-__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
+__all__ = ["MAX_ROWS", "decode_attention_linear", "decode_attention_linear_reference", "decode_linear",
+           "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
 
 MAX_ROWS = 8  # rows a program multiplies at once: the kernel is for decode steps of small batches
 
 if triton is not None:
 
     @triton.jit
-    def _products(X, W, G, x_rows, rows_ok, a_rows, b_rows, w_ok, K, EPS: tl.constexpr, HAS_NORM: tl.constexpr,
-                  TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """(BLOCK_M, BLOCK_N) float32 products of the (RMS-normalised) rows of x with the weight
-        rows at `a_rows` and, with TWO, at `b_rows` (pointers to their starts), each rounded to
-        w's dtype as a matmul in that dtype returns it."""
+    def _x_tile(x_rows, rows, rows_ok, k, k_ok, PM, PL, PACC, num_heads, FROM_PARTS: tl.constexpr,
+                SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Columns k of the rows of x, in float32: loaded, or FROM_PARTS combined from a split
+        decode attention's partial results (`attention_partials`): column k is element k % d of
+        head k // d, Σ wₛ accₛ / Σ wₛ lsumₛ over its splits with wₛ = 2^(mₛ - maxₛ mₛ)."""
+        ok = rows_ok[:, None] & k_ok[None, :]
+        if FROM_PARTS:
+            first = (rows[:, None].to(tl.int64) * num_heads + (k // HEAD_DIM)[None, :]) * SPLITS
+            top = tl.load(PM + first, mask=ok, other=0.0)
+            for s in tl.static_range(1, SPLITS):
+                top = tl.maximum(top, tl.load(PM + first + s, mask=ok, other=0.0))
+            total = tl.zeros(top.shape, tl.float32)
+            acc = tl.zeros(top.shape, tl.float32)
+            for s in tl.static_range(SPLITS):
+                weight = tl.exp2(tl.load(PM + first + s, mask=ok, other=0.0) - top)  # 0 for an empty split
+                total += weight * tl.load(PL + first + s, mask=ok, other=1.0)
+                acc += weight * tl.load(PACC + (first + s) * BLOCK_D + (k % HEAD_DIM)[None, :], mask=ok, other=0.0)
+            return acc / total
+        return tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _products(X, W, G, x_rows, rows, rows_ok, a_rows, b_rows, w_ok, K, PM, PL, PACC, num_heads,
+                  EPS: tl.constexpr, HAS_NORM: tl.constexpr, TWO: tl.constexpr, FROM_PARTS: tl.constexpr,
+                  SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) float32 products of the (RMS-normalised) rows of x (`_x_tile`) with
+        the weight rows at `a_rows` and, with TWO, at `b_rows` (pointers to their starts), each
+        rounded to w's dtype as a matmul in that dtype returns it."""
         if HAS_NORM:
             squares = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -62,7 +92,8 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = _x_tile(x_rows, rows, rows_ok, k, k_ok, PM, PL, PACC, num_heads, FROM_PARTS, SPLITS, HEAD_DIM,
+                        BLOCK_D)
             if HAS_NORM:
                 g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
                 x = (x * inv_rms[:, None] * g[None, :]).to(X.dtype.element_ty)
@@ -77,9 +108,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(X, W, G, R, O, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
+                              PM, PL, PACC, num_heads,
                               EPS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                              GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              GATE_UP: tl.constexpr, FROM_PARTS: tl.constexpr, SPLITS: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.arange(0, BLOCK_M)
         rows_ok = rows < M
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs (of N, or of F)
@@ -87,8 +120,9 @@ if triton is not None:
         x_rows = X + rows[:, None].to(tl.int64) * stride_xm
         w_rows = W + n[:, None].to(tl.int64) * stride_wn
         # with GATE_UP the up projection's rows sit N (= F) rows below the gate's
-        out, up = _products(X, W, G, x_rows, rows_ok, w_rows, w_rows + N * stride_wn, n_ok, K, EPS, HAS_NORM,
-                            GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K)
+        out, up = _products(X, W, G, x_rows, rows, rows_ok, w_rows, w_rows + N * stride_wn, n_ok, K, PM, PL, PACC,
+                            num_heads, EPS, HAS_NORM, GATE_UP, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
         if GATE_UP:
             out = (out * tl.sigmoid(out) * up).to(W.dtype.element_ty).to(tl.float32)
         out_ok = rows_ok[:, None] & n_ok[None, :]
@@ -114,8 +148,8 @@ if triton is not None:
         x_rows = X + rows[:, None].to(tl.int64) * stride_xm
         even = W + (head * HEAD_DIM + 2 * pair)[:, None].to(tl.int64) * stride_wn
         pair_ok = pair < HEAD_DIM // 2
-        e, o = _products(X, W, G, x_rows, rows_ok, even, even + stride_wn, pair_ok, K, EPS, HAS_NORM, True,
-                         BLOCK_M, BLOCK_P, BLOCK_K)
+        e, o = _products(X, W, G, x_rows, rows, rows_ok, even, even + stride_wn, pair_ok, K, X, X, X, 1, EPS,
+                         HAS_NORM, True, False, 1, 1, 1, BLOCK_M, BLOCK_P, BLOCK_K)
         pos = tl.load(POS + rows, mask=rows_ok, other=0)
         out_ok = rows_ok[:, None] & pair_ok[None, :]
         table = pos[:, None].to(tl.int64) * stride_table + pair[None, :]
@@ -202,8 +236,9 @@ def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Ten
     with _device(w):
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (a function of the launch metadata)
         wrap_triton(_decode_linear_kernel)[grid](
-            x, w, g, r, out, M, N, x.shape[1], x.stride(0), w.stride(0), r.stride(0), out.stride(0),
+            x, w, g, r, out, M, N, x.shape[1], x.stride(0), w.stride(0), r.stride(0), out.stride(0), x, x, x, 1,
             EPS=float(eps), HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, GATE_UP=gate_up,
+            FROM_PARTS=False, SPLITS=1, HEAD_DIM=1, BLOCK_D=1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
@@ -294,3 +329,56 @@ def decode_qkv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | Non
     position pos[row] from the (positions, d/2) tables cos and sin, and k and v written to the
     caches (slots, Hkv, L, d) at [row, :, pos[row]]. Returns the rotated q, (M, H·d) in w's dtype."""
     return _decode_qkv_op(x, w, norm_weight, float(eps), cos, sin, pos, k_cache, v_cache, int(num_heads))
+
+
+def decode_attention_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                                      window: int, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """What `decode_attention_linear` computes, with torch: the decode attention's output in q's
+    dtype (as `scratchlm.infer.static_cache.DecodeView.attend` returns it), its heads side by
+    side, through `decode_linear_reference`."""
+    b, H, _, d = q.shape
+    a = decode_attention_reference(q, k, v, pos, window).to(q.dtype).reshape(b, H * d)
+    return decode_linear_reference(a, w, None, residual)
+
+
+def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
+                                  w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    b, H, _, d = q.shape
+    if w.dim() != 2 or w.shape[1] != H * d or (residual is not None and tuple(residual.shape) != (b, w.shape[0])):
+        raise ValueError(f"decode_attention_linear: q (b, H, 1, d), w (N, H·d), residual (b, N); got q "
+                         f"{tuple(q.shape)}, w {tuple(w.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    runs = (_can_use_triton(w) and b <= MAX_ROWS and runs_on_triton(q, k, v) and w.stride(1) == 1
+            and (residual is None or residual.stride(1) == 1))
+    if not runs:
+        return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
+    m, lsum, acc, splits = attention_partials(q, k, v, pos, window)
+    N = w.shape[0]
+    out = torch.empty((b, N), dtype=w.dtype if residual is None else residual.dtype, device=w.device)
+    block_m, block_n, block_k, num_warps = blocks_for(b, N, H * d, False)
+    r = out if residual is None else residual
+    with _device(w):
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (a function of the launch metadata)
+        wrap_triton(_decode_linear_kernel)[grid](
+            q, w, w, r, out, b, N, H * d, 0, w.stride(0), r.stride(0), out.stride(0), m, lsum, acc, H,
+            EPS=0.0, HAS_NORM=False, HAS_RES=residual is not None, GATE_UP=False,
+            FROM_PARTS=True, SPLITS=splits, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+def _decode_attention_linear_fake(q, k, v, pos, window, w, residual):
+    return torch.empty((q.shape[0], w.shape[0]), dtype=w.dtype if residual is None else residual.dtype,
+                       device=w.device)
+
+
+_decode_attention_linear_op = _register("scratchlm::decode_attention_linear", _decode_attention_linear_impl,
+                                        _decode_attention_linear_fake)
+
+
+def decode_attention_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None,
+                            w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`scratchlm.kernels.decode_attention_triton.decode_attention(q, k, v, pos, window)` (b, H,
+    1, d), its heads side by side (b, H·d), times wᵀ (w (N, H·d)), plus `residual` (b, N): the
+    attention's split partial results combined inside the projection's kernel."""
+    return _decode_attention_linear_op(q, k, v, pos, int(window or 0), w, residual)
