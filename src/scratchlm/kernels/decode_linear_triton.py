@@ -63,8 +63,8 @@ if triton is not None:
             top = tl.load(PM + first, mask=ok, other=0.0)
             for s in tl.static_range(1, SPLITS):
                 top = tl.maximum(top, tl.load(PM + first + s, mask=ok, other=0.0))
-            total = tl.zeros(top.shape, tl.float32)
-            acc = tl.zeros(top.shape, tl.float32)
+            total = tl.zeros_like(top)
+            acc = tl.zeros_like(top)
             for s in tl.static_range(SPLITS):
                 weight = tl.exp2(tl.load(PM + first + s, mask=ok, other=0.0) - top)  # 0 for an empty split
                 total += weight * tl.load(PL + first + s, mask=ok, other=1.0)
