@@ -78,7 +78,8 @@ def generate(
     the cache. compile: `torch.compile` the engine's decode step (CUDA; the first calls pay the
     compilation). max_batch: rows decoded at once by the engine; more prompts wait for slots.
     fused_blocks: the engine's decode steps of up to 8 rows run each block's norms, SwiGLU gate
-    and residual adds inside its matmul kernels (`DecodeEngine(fused_blocks=True)`; CUDA).
+    and residual adds inside its matmul kernels, and RoPE, the cache write and the attention's
+    combine too (`DecodeEngine(fused_blocks=True)`; CUDA; "projections": the matmuls' part only).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
