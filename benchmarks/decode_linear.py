@@ -16,6 +16,11 @@ Each is captured in a CUDA graph of `--calls` back-to-back calls, replayed `--re
 printed: GB/s of weights read and its share of the device-to-device copy bandwidth measured in
 the same run, and the ratio of each peer's time to `decode_linear`'s.
 
+Then, for attention and the output projection after it (plus the residual), at a cache of
+--keys positions a row: `decode_attention_linear` (the split attention's partial results
+combined inside the projection's kernel) against `decode_attention` then `decode_linear` (the
+split attention, its combine kernel, then the projection: what an unfused step runs).
+
 `--sweep` instead times `decode_linear` with every tile choice (BLOCK_N in 2..16, BLOCK_K in
 128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
 and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen.
@@ -33,12 +38,14 @@ import torch
 from scratchlm.bench.results import environment, write_json
 from scratchlm.bench.timing import captured_call_seconds
 from scratchlm.kernels import decode_linear_triton
-from scratchlm.kernels.decode_linear_triton import decode_linear, decode_linear_reference
+from scratchlm.kernels.decode_attention_triton import decode_attention
+from scratchlm.kernels.decode_linear_triton import decode_attention_linear, decode_linear, decode_linear_reference
 
 SHAPES = {  # model: (d_model, q|k|v width, d_ff)
     "gpt2": (768, 3 * 768, 2048),
     "llama1b": (2048, 3 * 2048, 8192),
 }
+HEADS = {"gpt2": (12, 12), "llama1b": (32, 8)}  # model: (query heads, kv heads)
 
 
 def copy_bandwidth() -> float:
@@ -64,6 +71,42 @@ def projections(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
         "w2_residual": dict(x=t(rows, ff), w=t(d, ff, scale=ff ** -0.5), residual=t(rows, d)),
     }
     return {name: (kw, kw["w"].numel() * kw["w"].element_size()) for name, kw in cases.items()}
+
+
+def attention_output(model: str, rows: int, keys: int, device="cuda", dtype=torch.bfloat16):
+    """(q, k, v, pos, w_o, residual) of one layer's decode step of `rows` rows whose caches hold
+    `keys` positions (windows of buffers with room for twice as many, as the engine's)."""
+    d = SHAPES[model][0]
+    H, Hkv = HEADS[model]
+    hd = d // H
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    k_buf, v_buf = t(rows, Hkv, 2 * keys + 1, hd), t(rows, Hkv, 2 * keys + 1, hd)
+    pos = torch.full((rows,), keys - 1, dtype=torch.long, device=device)
+    return t(rows, H, 1, hd), k_buf[:, :, :keys], v_buf[:, :, :keys], pos, t(d, d, scale=d ** -0.5), t(rows, d)
+
+
+def time_attention_output(model: str, rows: int, keys: int, calls: int, repeats: int) -> list[dict]:
+    q, k, v, pos, w, r = attention_output(model, rows, keys)
+
+    def unfused():
+        a = decode_attention(q, k, v, pos).reshape(rows, -1)
+        return decode_linear(a, w, residual=r)
+
+    torch.testing.assert_close(decode_attention_linear(q, k, v, pos, None, w, r), unfused(), rtol=2e-2, atol=2e-2)
+    peers = {"decode_attention_linear": lambda: decode_attention_linear(q, k, v, pos, None, w, r),
+             "attention_then_linear": unfused}
+    times = {peer: captured_call_seconds(fn, calls, repeats, replays=1) for peer, fn in peers.items()}
+    out = []
+    for peer, seconds in times.items():
+        out.append({"model": model, "projection": "attention_out_residual", "rows": rows, "keys": keys, "peer": peer,
+                    "us": seconds * 1e6, "x_fused": seconds / times["decode_attention_linear"]})
+        print(f"{model:8s} attention+out  rows {rows}  {keys} keys  {peer:23s} {seconds * 1e6:7.2f} us  "
+              f"{out[-1]['x_fused']:.2f}x the fused op's time", flush=True)
+    return out
 
 
 def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
@@ -100,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--keys", type=int, default=320, help="cached positions a row for the attention peers")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
     return p
@@ -144,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['x_decode_linear']:.2f}x decode_linear's time", flush=True)
                 if args.json:
                     write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+            rows_out += time_attention_output(model, rows, args.keys, args.calls, args.repeats)
+            if args.json:
+                write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
     return 0
 
 
