@@ -56,7 +56,8 @@ from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
 # cuBLAS for each matmul shape (with their epilogues fused) at compile time: a longer start.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
-# `DecodeEngine(fused_blocks=...)`: off, on, or on with RoPE and the cache write left to torch
+# `DecodeEngine(fused_blocks=...)`: off, on, or on for the projections only (RoPE, the cache
+# write and attention left to torch)
 FUSED_BLOCKS = (False, True, "projections")
 
 # The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
@@ -167,9 +168,11 @@ class DecodeEngine:
     for aligned logits rows; it counts against the same quarter with the stacked copies.
     `fused_blocks` runs decode steps of at most 8 rows through `scratchlm.infer.fused_block`:
     each pre-norm block's norms, SwiGLU gate and residual adds inside its four matmul kernels
-    (with the stacked copies, where Triton runs; off by default until measured on a GPU), and
-    RoPE and the cache write inside the q|k|v kernel; `fused_blocks="projections"` leaves those
-    two to torch (to Inductor when compiled), for comparison.
+    (with the stacked copies, where Triton runs; off by default until measured on a GPU), RoPE
+    and the cache write inside the q|k|v kernel, and (with the Triton decode attention) the
+    attention's split combine inside the output projection's; `fused_blocks="projections"`
+    leaves RoPE, the cache write and attention to torch (to Inductor when compiled), for
+    comparison.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
