@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 
 import torch

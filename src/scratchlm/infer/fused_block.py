@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_attention_linear, decode_linear, decode_qkv
