@@ -224,7 +224,8 @@ class DecodeEngine:
         self._pad_prefill_rows = self.prefill_graphs  # chunks padded to a power of two of rows
         if compile and cuda:
             self._forward = self._compiled_step()
-            self._advance = self._own_compiled(DecodeEngine._record, len(batch_buckets(slots)), "inductor")
+            # (entries: b == 1 and b > 1, each of which may come again in and out of inference mode)
+            self._advance = self._own_compiled(DecodeEngine._record, 2 * len(batch_buckets(slots)), "inductor")
             self._prefill_forward = self._compiled_prefill()
         if (compile and cuda) or self.prefill_graphs:
             self.prefill_bucket = PREFILL_BUCKET
