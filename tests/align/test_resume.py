@@ -127,12 +127,13 @@ class Runs:
         return load_policy(path or self.base)
 
     def compare(self, train, arm, *, timed=False):
-        """`train(policy, log, stop, on_stop, resume)` uninterrupted, then stopped by the signal that
+        """`train(policy, log, **controls)` (the loop's stop, on_stop and resume arguments)
+        uninterrupted, then stopped by the signal that
         `arm(monkeypatch)` sets up and resumed; asserts the same weights, history and logged rows
         (`timed`: but wall times). Returns the state the stopped run handed over."""
         EVALUATED.clear()
         whole, whole_log = self.policy(), []
-        expected = train(whole, whole_log.append, None, None, None)
+        expected = train(whole, whole_log.append)
         evaluated = EVALUATED[:]
         EVALUATED.clear()
 
@@ -140,7 +141,7 @@ class Runs:
         with pytest.MonkeyPatch.context() as patch:
             arm(patch)
             with stop_signals() as stop:
-                history = train(stopped, logged.append, stop, kept.append, None)
+                history = train(stopped, logged.append, stop=stop, on_stop=kept.append)
         assert len(kept) == 1 and stop.signum == signal.SIGINT
         step = history[-1]["step"]
         stopped.save(self.tmp_path / "stopped", step=step)
@@ -150,7 +151,7 @@ class Runs:
         resumed = self.policy(self.tmp_path / "stopped")
         logged = [r for r in logged if r["step"] < step]  # what the command keeps of metrics.jsonl
         with stop_signals() as stop:
-            history = train(resumed, logged.append, stop, None, state)
+            history = train(resumed, logged.append, stop=stop, resume=state)
         _assert_same_weights(_weights(resumed), _weights(whole))
         assert EVALUATED == evaluated  # the evaluations of both parts: each step's once
         if timed:
@@ -170,20 +171,71 @@ def _sft_pairs(n=6):
             for e in ArithmeticTask(difficulty=1).examples(n, seed=3)]
 
 
+# Each loop's test run, as `train(policy, log, **controls)` with the loop-control arguments the
+# harnesses pass (stop, on_stop, resume, resume_every, on_checkpoint).
+
+def _sft(**config):
+    """SFT of 6 pairs, 2 microbatches of 3 a step, 6 steps: the shuffles cross step boundaries."""
+    sft = SFTConfig(micro_batch_size=3, grad_accum_steps=2, max_steps=6, log_every=4, **config)
+
+    def train(policy, log, **controls):
+        return sft_train(policy, _sft_pairs(), sft=sft, optim=SCHEDULE, seed=7, log=log,
+                         evaluate=_evaluated(lambda step: {"accuracy": 0.5}), **controls)
+
+    return train
+
+
+def _grpo(steps):
+    """GRPO, 4 updates a step (2 passes of 2 over each rollout batch, grpo_clip off-policy),
+    evaluated (the policy's weights summed) at every step."""
+    grpo = GRPOConfig(n_grpo_steps=steps, rollout_batch_size=4, group_size=2, train_batch_size=2, grad_accum_steps=1,
+                      epochs_per_rollout_batch=2, loss_type="grpo_clip", eval_every=1)
+    examples = ArithmeticTask(difficulty=1).examples(8)
+
+    def train(policy, log, **controls):
+        weights = _evaluated(lambda step: {"weights": sum(float(p.detach().sum()) for p in policy.model.parameters())})
+        return grpo_train(policy, examples, template=TEMPLATE, reward_fn=PARITY, grpo=grpo, optim=SCHEDULE,
+                          sampling=SamplingConfig(max_new_tokens=5, batch_size=4), evaluate=weights, seed=5, log=log,
+                          **controls)
+
+    return train
+
+
+def _dpo(runs):
+    """DPO on 10 pairs (2 held out), 5 steps, evaluated every 2."""
+    pairs = arithmetic_preference_pairs(12)
+    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=2, max_steps=5, eval_every=2, log_every=3)
+
+    def train(policy, log, **controls):
+        # The reference is the starting policy: copied at the start, loaded again to resume.
+        reference = None if controls.get("resume") is None else frozen_copy(runs.policy().model)
+        return dpo_train(policy, pairs[:10], dpo=dpo, optim=SCHEDULE, eval_pairs=pairs[10:], reference=reference,
+                         seed=2, log=log, **controls)
+
+    return train
+
+
+def _expert_iteration():
+    """3 EI steps of 2 questions x 2 responses, every response kept: each step's SFT takes an
+    optimizer step per response."""
+    ei = ExpertIterationConfig(n_ei_steps=3, questions_per_step=2, group_size=2)
+
+    def train(policy, log, **controls):
+        return expert_iteration(policy, ArithmeticTask(difficulty=1).examples(4), template=TEMPLATE,
+                                reward_fn=EVERYTHING, ei=ei, sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
+                                optim=SCHEDULE, sampling=SamplingConfig(max_new_tokens=4, batch_size=4),
+                                evaluate=_evaluated(lambda step: {"accuracy": 0.0}), seed=4, log=log, **controls)
+
+    return train
+
+
 # ---------------------------------------------------------------------------- the loops
 
 
 @pytest.mark.parametrize("packed, call", [(False, 3), (False, 6), (True, 4)],
                          ids=["padded-step-2", "padded-last-step", "packed-step-2"])
 def test_sft_resumed_ends_as_an_uninterrupted_run(runs, packed, call):
-    # 2 microbatches a step, 3 pairs each: the shuffles of the 6 pairs cross step boundaries.
-    sft = SFTConfig(micro_batch_size=3, grad_accum_steps=2, max_steps=6, log_every=4, packed=packed)
-
-    def train(policy, log, stop, on_stop, resume):
-        return sft_train(policy, _sft_pairs(), sft=sft, optim=SCHEDULE, seed=7, log=log, stop=stop, on_stop=on_stop,
-                         resume=resume, evaluate=_evaluated(lambda step: {"accuracy": 0.5}))
-
-    state = runs.compare(train, _signal_at_call(sft_module, "sft_microbatch_train_step", 2 * call - 1))
+    state = runs.compare(_sft(packed=packed), _signal_at_call(sft_module, "sft_microbatch_train_step", 2 * call - 1))
     assert state["step"] == call
 
 
@@ -194,21 +246,10 @@ def test_sft_resumed_ends_as_an_uninterrupted_run(runs, packed, call):
     (_signal_at_call(grpo_module, "optimizer_step", 7), True),
 ], ids=["whole-step", "during-evaluation", "between-passes", "within-a-pass"])
 def test_grpo_resumed_ends_as_an_uninterrupted_run(runs, arm, partial):
-    # 4 updates a step (2 passes of 2 over each rollout batch, grpo_clip off-policy): the signal
-    # comes in the last update of step 1 (its evaluation skipped, done on resuming), in that
-    # evaluation (not done twice), or part-way through step 2, whose rollouts, old
-    # log-probabilities and row order carry over.
-    grpo = GRPOConfig(n_grpo_steps=3, rollout_batch_size=4, group_size=2, train_batch_size=2, grad_accum_steps=1,
-                      epochs_per_rollout_batch=2, loss_type="grpo_clip", eval_every=1)
-    examples = ArithmeticTask(difficulty=1).examples(8)
-
-    def train(policy, log, stop, on_stop, resume):
-        weights = _evaluated(lambda step: {"weights": sum(float(p.detach().sum()) for p in policy.model.parameters())})
-        return grpo_train(policy, examples, template=TEMPLATE, reward_fn=PARITY, grpo=grpo, optim=SCHEDULE,
-                          sampling=SamplingConfig(max_new_tokens=5, batch_size=4), evaluate=weights, seed=5, log=log,
-                          stop=stop, on_stop=on_stop, resume=resume)
-
-    state = runs.compare(train, arm, timed=True)
+    # 4 updates a step: the signal comes in the last update of step 1 (its evaluation skipped,
+    # done on resuming), in that evaluation (not done twice), or part-way through step 2, whose
+    # rollouts, old log-probabilities and row order carry over.
+    state = runs.compare(_grpo(3), arm, timed=True)
     assert ("partial" in state) == partial
     if partial:
         assert state["step"] == 2 and state["partial"]["old"] is not None
@@ -217,35 +258,17 @@ def test_grpo_resumed_ends_as_an_uninterrupted_run(runs, arm, partial):
 
 
 def test_dpo_resumed_ends_as_an_uninterrupted_run(runs):
-    pairs = arithmetic_preference_pairs(12)
-    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=2, max_steps=5, eval_every=2, log_every=3)
-
-    def train(policy, log, stop, on_stop, resume):
-        # The reference is the starting policy: copied at the start, loaded again to resume.
-        reference = None if resume is None else frozen_copy(runs.policy().model)
-        return dpo_train(policy, pairs[:10], dpo=dpo, optim=SCHEDULE, eval_pairs=pairs[10:], reference=reference,
-                         seed=2, log=log, stop=stop, on_stop=on_stop, resume=resume)
-
     # The signal comes in step 2, an evaluation step: the stop skips its evaluation, the resumed run does it.
-    state = runs.compare(train, _signal_at_call(dpo_module, "optimizer_step", 2))
+    state = runs.compare(_dpo(runs), _signal_at_call(dpo_module, "optimizer_step", 2))
     assert state["step"] == 2 and "eval_loss" not in state["history"][-1]
 
 
 @pytest.mark.parametrize("arm, within", [(_signal_at_call(ei_module, "sft_train", 2), True),
                                          (_signal_in_evaluation(2), False)], ids=["in-its-sft", "in-its-evaluation"])
 def test_expert_iteration_resumed_ends_as_an_uninterrupted_run(runs, arm, within):
-    # Every response kept: each step's SFT takes an optimizer step per response it keeps. The signal
-    # comes as the SFT of step 2 starts (it stops after its first optimizer step), or in the evaluation of step 2.
-    ei = ExpertIterationConfig(n_ei_steps=3, questions_per_step=2, group_size=2)
-
-    def train(policy, log, stop, on_stop, resume):
-        return expert_iteration(policy, ArithmeticTask(difficulty=1).examples(4), template=TEMPLATE,
-                                reward_fn=EVERYTHING, ei=ei, sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
-                                optim=SCHEDULE, sampling=SamplingConfig(max_new_tokens=4, batch_size=4),
-                                evaluate=_evaluated(lambda step: {"accuracy": 0.0}), seed=4, log=log, stop=stop,
-                                on_stop=on_stop, resume=resume)
-
-    state = runs.compare(train, arm, timed=True)
+    # The signal comes as the SFT of step 2 starts (it stops after its first optimizer step), or
+    # in the evaluation of step 2.
+    state = runs.compare(_expert_iteration(), arm, timed=True)
     assert state["step"] == 2 and (state["round"] is not None) == within and state["evaluated"] != within
     if within:  # stopped in the SFT of step 2: it goes on from its own state
         assert state["round"]["sft"]["step"] == 1 < state["round"]["rollout"]["kept"]
@@ -268,7 +291,8 @@ def _killed_at_call(module, name, number):
 
 
 def _resumed_after_a_kill(runs, train, arm, every):
-    """`train(policy, log, resume, resume_every, on_checkpoint)` uninterrupted, then with its states
+    """`train(policy, log, **controls)` (the loop's resume, resume_every and on_checkpoint
+    arguments) uninterrupted, then with its states
     saved every `every` steps as the commands save them (`ResumePoint.saver`, policy and state in a
     run folder) and killed as `arm(monkeypatch)` sets up, then resumed in a "new process" from what
     the folder holds; asserts the same weights, history and logged rows (wall times aside) and
@@ -276,7 +300,7 @@ def _resumed_after_a_kill(runs, train, arm, every):
     the state it resumed from."""
     EVALUATED.clear()
     whole, whole_log = runs.policy(), []
-    expected = train(whole, whole_log.append, None, 0, None)
+    expected = train(whole, whole_log.append)
     evaluated = EVALUATED[:]
 
     out = runs.tmp_path / "run"
@@ -285,14 +309,14 @@ def _resumed_after_a_kill(runs, train, arm, every):
     with pytest.MonkeyPatch.context() as patch:
         arm(patch)
         with pytest.raises(Killed):
-            train(killed, logged.append, None, every, point.saver(killed, out / "policy"))
+            train(killed, logged.append, resume_every=every, on_checkpoint=point.saver(killed, out / "policy"))
 
     torch.manual_seed(12345)  # a resumed run starts in a new process
     resumed = runs.policy(out / "policy")
     saved = _point(out).read().check_policy(resumed, out / "policy")
     logged = [r for r in logged if r["step"] < saved.step]  # what the command keeps of metrics.jsonl
     EVALUATED.clear()
-    history = train(resumed, logged.append, saved.loop, every, None)
+    history = train(resumed, logged.append, resume=saved.loop, resume_every=every)
     _assert_same_weights(_weights(resumed), _weights(whole))
     assert EVALUATED == [s for s in evaluated if s > saved.step]
     assert _untimed(history) == _untimed(expected) and _untimed(logged) == _untimed(whole_log)
@@ -302,65 +326,31 @@ def _resumed_after_a_kill(runs, train, arm, every):
 @pytest.mark.parametrize("every, killed_in, saved", [(2, 5, 4), (5, 6, 5)],
                          ids=["row-not-logged", "row-logged"])
 def test_sft_killed_resumes_from_its_last_periodic_state(runs, every, killed_in, saved):
-    sft = SFTConfig(micro_batch_size=3, grad_accum_steps=2, max_steps=6, log_every=4)
-
-    def train(policy, log, resume, resume_every, on_checkpoint):
-        return sft_train(policy, _sft_pairs(), sft=sft, optim=SCHEDULE, seed=7, log=log, resume=resume,
-                         evaluate=_evaluated(lambda step: {"accuracy": 0.5}), resume_every=resume_every,
-                         on_checkpoint=on_checkpoint)
-
     kill = _killed_at_call(sft_module, "sft_microbatch_train_step", 2 * killed_in - 1)  # as step `killed_in` starts
-    state = _resumed_after_a_kill(runs, train, kill, every)
+    state = _resumed_after_a_kill(runs, _sft(), kill, every)
     assert state.step == saved and len(state.loop["history"]) == saved
 
 
 def test_grpo_killed_resumes_from_its_last_periodic_state(runs):
     # 4 updates a step, evaluated at every step; saved after step 2 (its evaluation in the state),
     # killed in the 2nd update of step 4: the rows and evaluation of step 3 are done again.
-    grpo = GRPOConfig(n_grpo_steps=4, rollout_batch_size=4, group_size=2, train_batch_size=2, grad_accum_steps=1,
-                      epochs_per_rollout_batch=2, loss_type="grpo_clip", eval_every=1)
-    examples = ArithmeticTask(difficulty=1).examples(8)
-
-    def train(policy, log, resume, resume_every, on_checkpoint):
-        weights = _evaluated(lambda step: {"weights": sum(float(p.detach().sum()) for p in policy.model.parameters())})
-        return grpo_train(policy, examples, template=TEMPLATE, reward_fn=PARITY, grpo=grpo, optim=SCHEDULE,
-                          sampling=SamplingConfig(max_new_tokens=5, batch_size=4), evaluate=weights, seed=5, log=log,
-                          resume=resume, resume_every=resume_every, on_checkpoint=on_checkpoint)
-
-    state = _resumed_after_a_kill(runs, train, _killed_at_call(grpo_module, "optimizer_step", 14), every=2)
+    state = _resumed_after_a_kill(runs, _grpo(4), _killed_at_call(grpo_module, "optimizer_step", 14), every=2)
     assert state.step == 2 and state.loop["evaluated"] and "partial" not in state.loop
 
 
 def test_dpo_killed_resumes_from_its_last_periodic_state(runs):
-    pairs = arithmetic_preference_pairs(12)
-    dpo = DPOConfig(micro_batch_size=2, grad_accum_steps=2, max_steps=5, eval_every=2, log_every=3)
-
-    def train(policy, log, resume, resume_every, on_checkpoint):
-        reference = None if resume is None else frozen_copy(runs.policy().model)
-        return dpo_train(policy, pairs[:10], dpo=dpo, optim=SCHEDULE, eval_pairs=pairs[10:], reference=reference,
-                         seed=2, log=log, resume=resume, resume_every=resume_every, on_checkpoint=on_checkpoint)
-
     # Saved after step 4, an evaluation step whose evaluation the state holds (not done again).
     evaluations = []
     with pytest.MonkeyPatch.context() as patch:
         real = dpo_module.evaluate_preferences
         patch.setattr(dpo_module, "evaluate_preferences", lambda *a, **k: evaluations.append(1) or real(*a, **k))
-        state = _resumed_after_a_kill(runs, train, _killed_at_call(dpo_module, "optimizer_step", 5), every=2)
+        state = _resumed_after_a_kill(runs, _dpo(runs), _killed_at_call(dpo_module, "optimizer_step", 5), every=2)
     assert state.step == 4 and "eval_loss" in state.loop["history"][-1]
     assert len(evaluations) == 4 + 3 + 1  # uninterrupted: steps 0, 2, 4, 5; killed: 0, 2, 4; resumed: 5
 
 
 def test_expert_iteration_killed_resumes_from_its_last_periodic_state(runs):
-    ei = ExpertIterationConfig(n_ei_steps=3, questions_per_step=2, group_size=2)
-
-    def train(policy, log, resume, resume_every, on_checkpoint):
-        return expert_iteration(policy, ArithmeticTask(difficulty=1).examples(4), template=TEMPLATE,
-                                reward_fn=EVERYTHING, ei=ei, sft=SFTConfig(micro_batch_size=1, grad_accum_steps=1),
-                                optim=SCHEDULE, sampling=SamplingConfig(max_new_tokens=4, batch_size=4),
-                                evaluate=_evaluated(lambda step: {"accuracy": 0.0}), seed=4, log=log, resume=resume,
-                                resume_every=resume_every, on_checkpoint=on_checkpoint)
-
-    state = _resumed_after_a_kill(runs, train, _killed_at_call(ei_module, "sft_train", 3), every=1)
+    state = _resumed_after_a_kill(runs, _expert_iteration(), _killed_at_call(ei_module, "sft_train", 3), every=1)
     assert state.step == 2 and state.loop["round"] is None and state.loop["evaluated"]
 
 
