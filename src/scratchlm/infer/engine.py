@@ -252,16 +252,19 @@ class DecodeEngine:
         view = DecodeView(self.cache, pos, L)
         return _lm_logits(self.model, tokens[:, None], pos[:, None], view, None, self.head).float()  # (b, V)
 
+    def _positions(self, lens: Tensor) -> Tensor:
+        """Where rows of `lens` cached tokens write their next one: finished rows may run past
+        their end, so the position is clamped to the cache."""
+        return lens.clamp(max=self.max_len - 1)
+
     def _decode_eager(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, None]:
-        # (finished rows may run past their end: their position is clamped)
-        pos = lens.clamp(max=self.max_len - 1)
-        return self._decode_logits(tokens, pos, L), None  # a greedy step takes the argmax itself
+        return self._decode_logits(tokens, self._positions(lens), L), None  # a greedy step takes the argmax itself
 
     def _decode_next(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, Tensor]:
         """The step's logits (b, V) and their argmax (b,) for rows of `lens` cached tokens:
         compiled, the argmax is one fused reduction instead of eager kernels after the graph's
         matmuls (unused by a sampled step)."""
-        logits = self._decode_logits(tokens, lens.clamp(max=self.max_len - 1), L)
+        logits = self._decode_logits(tokens, self._positions(lens), L)
         return logits, logits.argmax(dim=-1)
 
     def _compiled_step(self, backend="inductor"):
@@ -315,7 +318,7 @@ class DecodeEngine:
         """After a decode step of the first b rows: count the token it cached in each, append nxt
         (b,) to the unfinished ones and mark the rows it finishes. The engine calls it through
         `_advance`: compiled with the engine, a few fused kernels where eagerly it is a dozen."""
-        self.lens[:b] = self.lens[:b].clamp(max=self.max_len - 1) + 1
+        self.lens[:b] = self._positions(self.lens[:b]) + 1
         live = ~self.done[:b]
         rows = torch.arange(b, device=nxt.device)
         self.out[rows, self.n_out[:b]] = nxt  # a finished row writes past its end: ignored
