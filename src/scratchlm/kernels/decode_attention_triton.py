@@ -177,11 +177,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     group = H // Hkv
     # b·H programs before splitting: one per (row, query head)
     splits = splits_for(b, H, L if window <= 0 else min(L, window))
-    # the splits' partial results (unused, one element each, without splits)
-    parts = b * H * splits if splits > 1 or partials else 1
+    # the splits' partial results (unused, one element each, where the kernel writes out itself)
+    keep = splits > 1 or partials
+    parts = b * H * splits if keep else 1
     m = torch.empty(parts, dtype=torch.float32, device=k.device)
     lsum = torch.empty(parts, dtype=torch.float32, device=k.device)
-    acc = torch.empty(parts * (block_d if parts > 1 or partials else 1), dtype=torch.float32, device=k.device)
+    acc = torch.empty(parts * (block_d if keep else 1), dtype=torch.float32, device=k.device)
     o = m if out is None else out  # a pointer the kernel does not write to with partials
     args = (q, k, v, o, pos, m, lsum, acc, L, window, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
