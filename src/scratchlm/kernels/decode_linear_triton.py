@@ -224,22 +224,33 @@ def blocks_for(rows: int, outputs: int, inputs: int, gate_up: bool) -> tuple[int
 def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None,
                         residual: torch.Tensor | None, eps: float, gate_up: bool) -> torch.Tensor:
     _check(x, w, norm_weight, residual, gate_up)
-    M, N = _out_shape(x, w, gate_up)
+    M = x.shape[0]
     runs = (_can_use_triton(w) and M <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_linear_reference(x, w, norm_weight, residual, eps, gate_up)
+    return _launch(x, x.stride(0), M, x.shape[1], w, norm_weight, residual, eps, gate_up)
+
+
+def _launch(x: torch.Tensor, stride_xm: int, M: int, K: int, w: torch.Tensor, norm_weight: torch.Tensor | None,
+            residual: torch.Tensor | None, eps: float, gate_up: bool, parts: tuple | None = None) -> torch.Tensor:
+    """Run `_decode_linear_kernel` on M rows of K inputs: of x (row stride `stride_xm`), or with
+    `parts` = (m, lsum, acc, splits, heads, head_dim) of `attention_partials` combined from those
+    (x then only a pointer it does not read). Returns the (M, N) result."""
+    N = _out_shape(x, w, gate_up)[1]
     out = torch.empty((M, N), dtype=w.dtype if residual is None else residual.dtype, device=w.device)
-    block_m, block_n, block_k, num_warps = blocks_for(M, N, x.shape[1], gate_up)
+    block_m, block_n, block_k, num_warps = blocks_for(M, N, K, gate_up)
     g = x if norm_weight is None else norm_weight  # a pointer the kernel does not read without HAS_NORM
     r = out if residual is None else residual
+    m, lsum, acc, splits, heads, head_dim = (x, x, x, 1, 1, 1) if parts is None else parts
     with _device(w):
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (a function of the launch metadata)
         wrap_triton(_decode_linear_kernel)[grid](
-            x, w, g, r, out, M, N, x.shape[1], x.stride(0), w.stride(0), r.stride(0), out.stride(0), x, x, x, 1,
+            x, w, g, r, out, M, N, K, stride_xm, w.stride(0), r.stride(0), out.stride(0), m, lsum, acc, heads,
             EPS=float(eps), HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, GATE_UP=gate_up,
-            FROM_PARTS=False, SPLITS=1, HEAD_DIM=1, BLOCK_D=1,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+            FROM_PARTS=parts is not None, SPLITS=splits, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps)
     return out
 
 
@@ -353,18 +364,7 @@ def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if not runs:
         return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
     m, lsum, acc, splits = attention_partials(q, k, v, pos, window)
-    N = w.shape[0]
-    out = torch.empty((b, N), dtype=w.dtype if residual is None else residual.dtype, device=w.device)
-    block_m, block_n, block_k, num_warps = blocks_for(b, N, H * d, False)
-    r = out if residual is None else residual
-    with _device(w):
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (a function of the launch metadata)
-        wrap_triton(_decode_linear_kernel)[grid](
-            q, w, w, r, out, b, N, H * d, 0, w.stride(0), r.stride(0), out.stride(0), m, lsum, acc, H,
-            EPS=0.0, HAS_NORM=False, HAS_RES=residual is not None, GATE_UP=False,
-            FROM_PARTS=True, SPLITS=splits, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return out
+    return _launch(q, 0, b, H * d, w, None, residual, 0.0, False, parts=(m, lsum, acc, splits, H, d))
 
 
 def _decode_attention_linear_fake(q, k, v, pos, window, w, residual):
