@@ -73,7 +73,7 @@ def test_runs_the_kernel_where_it_can():
     from scratchlm.kernels import decode_linear_triton as mod
 
     x, w, nw, r = _tensors(2, 40, 2 * 20, True, True, True, torch.float32, "cpu")
-    torch.testing.assert_close(mod._decode_linear_impl(x, w, nw, r, 1e-5, True),
+    torch.testing.assert_close(mod._decode_linear_impl(x, w, nw, r, 1e-5, True, False),
                                decode_linear_reference(x, w, nw, r, 1e-5, True), rtol=0, atol=1e-5)
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
+from scratchlm.kernels.triton_support import pdl_supported
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
@@ -64,7 +65,10 @@ if triton is not None:
                                  stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
-                                 QK_SCALE: tl.constexpr, PARTIALS: tl.constexpr):
+                                 QK_SCALE: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched while the kernel before runs: the next may start too; wait before reading
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         kv_head = head // GROUP
@@ -164,10 +168,12 @@ def splits_for(b: int, H: int, keys: int = 0) -> int:
     return 1
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
-            partials: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int, partials: bool,
+            pdl: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Run the attention kernel: (out or None, m, lsum, acc, splits). With `partials` the splits'
-    partial results are kept (one split or more) and not combined: out is None."""
+    partial results are kept (one split or more) and not combined: out is None. `pdl`: launch it
+    with programmatic dependent launch where supported (from an opaque op only: torch.compile's
+    tracing of a triton_op does not pass the launch option on)."""
     b, H, _, d = q.shape
     L = k.shape[2]
     out = None if partials else torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
@@ -191,8 +197,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window > 0, SPLITS=splits, QK_SCALE=qk_scale)
     with _device(k):
         grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
+        on = pdl and pdl_supported(k)
         wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=group, BLOCK_N=BLOCK_N, PARTIALS=partials,
-                                                    num_warps=4, **common)
+                                                    num_warps=4, PDL=on, **common,
+                                                    **({"launch_pdl": True} if on else {}))
         if splits > 1 and not partials:
             combine_grid = lambda meta: (b, H)  # noqa: E731
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
@@ -206,14 +214,14 @@ def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                       window: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The kernel's uncombined result, for a kernel that combines the splits as it reads them:
     (m, lsum, acc, splits), the running max (base 2), sum and unnormalised output (b·H·splits
     float32 values, and b·H·splits rows of next_power_of_2(d) for acc) of split s of row r and
     head h at index (r·H + h)·splits + s. The output is acc / lsum of one split; of several,
-    Σ wₛ accₛ / Σ wₛ lsumₛ with wₛ = 2^(mₛ - maxₛ mₛ). Needs `runs_on_triton`."""
+    Σ wₛ accₛ / Σ wₛ lsumₛ with wₛ = 2^(mₛ - maxₛ mₛ). Needs `runs_on_triton`; `pdl` as `_launch`."""
     _check(q, k, v, pos)
-    _, m, lsum, acc, splits = _launch(q, k, v, pos, window, partials=True)
+    _, m, lsum, acc, splits = _launch(q, k, v, pos, window, partials=True, pdl=pdl)
     return m, lsum, acc, splits
 
 

@@ -41,8 +41,9 @@ import torch
 from scratchlm.kernels.decode_attention_triton import attention_partials, decode_attention_reference, runs_on_triton
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
+from scratchlm.kernels.triton_support import pdl_supported
 from scratchlm.kernels.triton_support import register_op as _register
-from scratchlm.kernels.triton_support import tl, triton, wrap_triton
+from scratchlm.kernels.triton_support import tl, triton
 
 __all__ = ["MAX_ROWS", "decode_attention_linear", "decode_attention_linear_reference", "decode_linear",
            "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
@@ -73,37 +74,64 @@ if triton is not None:
         return tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _accumulate(acc_a, acc_b, w, u, X, W, G, x_rows, rows, rows_ok, k, k_ok, inv_rms, PM, PL, PACC, num_heads,
+                    HAS_NORM: tl.constexpr, TWO: tl.constexpr, FROM_PARTS: tl.constexpr, SPLITS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """acc_a (+ acc_b with TWO) plus the products of columns k of the (normalised) rows of x
+        with the weight tiles w (and u), in float32."""
+        x = _x_tile(x_rows, rows, rows_ok, k, k_ok, PM, PL, PACC, num_heads, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D)
+        if HAS_NORM:
+            g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x * inv_rms[:, None] * g[None, :]).to(X.dtype.element_ty)
+        x = x.to(W.dtype.element_ty).to(tl.float32)  # the matmul's operand, in w's dtype
+        acc_a += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if TWO:
+            acc_b += tl.sum(x[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
+        return acc_a, acc_b
+
+    @triton.jit
     def _products(X, W, G, x_rows, rows, rows_ok, a_rows, b_rows, w_ok, K, PM, PL, PACC, num_heads,
                   EPS: tl.constexpr, HAS_NORM: tl.constexpr, TWO: tl.constexpr, FROM_PARTS: tl.constexpr,
-                  SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """(BLOCK_M, BLOCK_N) float32 products of the (RMS-normalised) rows of x (`_x_tile`) with
         the weight rows at `a_rows` and, with TWO, at `b_rows` (pointers to their starts), each
-        rounded to w's dtype as a matmul in that dtype returns it."""
+        rounded to w's dtype as a matmul in that dtype returns it.
+
+        The first BLOCK_K columns of the weights are loaded first: with PDL (the kernel launched
+        while the one before it still runs) that is before waiting for it, as they do not depend
+        on it; x and everything else only after."""
+        k = tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w_first = tl.load(a_rows + k[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        u_first = w_first
+        if TWO:
+            u_first = tl.load(b_rows + k[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
         if HAS_NORM:
             squares = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                kk = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + kk[None, :], mask=rows_ok[:, None] & (kk < K)[None, :], other=0.0)
+                x = x.to(tl.float32)
                 squares += tl.sum(x * x, axis=1)
             inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc_a, acc_b = _accumulate(acc_a, acc_b, w_first, u_first, X, W, G, x_rows, rows, rows_ok, k, k_ok, inv_rms,
+                                   PM, PL, PACC, num_heads, HAS_NORM, TWO, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            x = _x_tile(x_rows, rows, rows_ok, k, k_ok, PM, PL, PACC, num_heads, FROM_PARTS, SPLITS, HEAD_DIM,
-                        BLOCK_D)
-            if HAS_NORM:
-                g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x * inv_rms[:, None] * g[None, :]).to(X.dtype.element_ty)
-            x = x.to(W.dtype.element_ty).to(tl.float32)  # the matmul's operand, in w's dtype
             tile_ok = w_ok[:, None] & k_ok[None, :]
-            w = tl.load(a_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            acc_a += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            w = tl.load(a_rows + k[None, :], mask=tile_ok, other=0.0)
+            u = w
             if TWO:
-                u = tl.load(b_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-                acc_b += tl.sum(x[:, None, :] * u[None, :, :], axis=2)
+                u = tl.load(b_rows + k[None, :], mask=tile_ok, other=0.0)
+            acc_a, acc_b = _accumulate(acc_a, acc_b, w, u, X, W, G, x_rows, rows, rows_ok, k, k_ok, inv_rms,
+                                       PM, PL, PACC, num_heads, HAS_NORM, TWO, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D)
         return acc_a.to(W.dtype.element_ty).to(tl.float32), acc_b.to(W.dtype.element_ty).to(tl.float32)
 
     @triton.jit
@@ -111,8 +139,10 @@ if triton is not None:
                               PM, PL, PACC, num_heads,
                               EPS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
                               GATE_UP: tl.constexpr, FROM_PARTS: tl.constexpr, SPLITS: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        if PDL:  # the next kernel may start now (it waits for this one before reading what it writes)
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.arange(0, BLOCK_M)
         rows_ok = rows < M
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs (of N, or of F)
@@ -121,7 +151,7 @@ if triton is not None:
         w_rows = W + n[:, None].to(tl.int64) * stride_wn
         # with GATE_UP the up projection's rows sit N (= F) rows below the gate's
         out, up = _products(X, W, G, x_rows, rows, rows_ok, w_rows, w_rows + N * stride_wn, n_ok, K, PM, PL, PACC,
-                            num_heads, EPS, HAS_NORM, GATE_UP, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D,
+                            num_heads, EPS, HAS_NORM, GATE_UP, FROM_PARTS, SPLITS, HEAD_DIM, BLOCK_D, PDL,
                             BLOCK_M, BLOCK_N, BLOCK_K)
         if GATE_UP:
             out = (out * tl.sigmoid(out) * up).to(W.dtype.element_ty).to(tl.float32)
@@ -135,11 +165,13 @@ if triton is not None:
     def _decode_qkv_kernel(X, W, G, COS, SIN, POS, Q, KC, VC, M, K, stride_xm, stride_wn, stride_qm,
                            stride_cr, stride_ch, stride_cn, stride_table,
                            EPS: tl.constexpr, HAS_NORM: tl.constexpr, NUM_HEADS: tl.constexpr,
-                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
         """One program: BLOCK_P interleaved pairs (2i, 2i + 1) of one head of q, k or v. Queries
         and keys are rotated by RoPE at each row's position; q goes to Q, k and v to the caches
         at slot pos[row] of row `row`."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         programs_a_head: tl.constexpr = HEAD_DIM // 2 // BLOCK_P
         head = tl.program_id(0) // programs_a_head
         pair = (tl.program_id(0) % programs_a_head) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -149,7 +181,7 @@ if triton is not None:
         even = W + (head * HEAD_DIM + 2 * pair)[:, None].to(tl.int64) * stride_wn
         pair_ok = pair < HEAD_DIM // 2
         e, o = _products(X, W, G, x_rows, rows, rows_ok, even, even + stride_wn, pair_ok, K, X, X, X, 1, EPS,
-                         HAS_NORM, True, False, 1, 1, 1, BLOCK_M, BLOCK_P, BLOCK_K)
+                         HAS_NORM, True, False, 1, 1, 1, PDL, BLOCK_M, BLOCK_P, BLOCK_K)
         pos = tl.load(POS + rows, mask=rows_ok, other=0)
         out_ok = rows_ok[:, None] & pair_ok[None, :]
         table = pos[:, None].to(tl.int64) * stride_table + pair[None, :]
@@ -222,21 +254,29 @@ def blocks_for(rows: int, outputs: int, inputs: int, gate_up: bool) -> tuple[int
 
 
 def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None,
-                        residual: torch.Tensor | None, eps: float, gate_up: bool) -> torch.Tensor:
+                        residual: torch.Tensor | None, eps: float, gate_up: bool, pdl: bool) -> torch.Tensor:
     _check(x, w, norm_weight, residual, gate_up)
     M = x.shape[0]
     runs = (_can_use_triton(w) and M <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_linear_reference(x, w, norm_weight, residual, eps, gate_up)
-    return _launch(x, x.stride(0), M, x.shape[1], w, norm_weight, residual, eps, gate_up)
+    return _launch(x, x.stride(0), M, x.shape[1], w, norm_weight, residual, eps, gate_up, pdl)
+
+
+def _pdl_options(pdl: bool, t: torch.Tensor) -> dict:
+    """The kernels' PDL constexpr and launch option: on where asked for and `pdl_supported`."""
+    on = pdl and pdl_supported(t)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _launch(x: torch.Tensor, stride_xm: int, M: int, K: int, w: torch.Tensor, norm_weight: torch.Tensor | None,
-            residual: torch.Tensor | None, eps: float, gate_up: bool, parts: tuple | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None, eps: float, gate_up: bool, pdl: bool,
+            parts: tuple | None = None) -> torch.Tensor:
     """Run `_decode_linear_kernel` on M rows of K inputs: of x (row stride `stride_xm`), or with
     `parts` = (m, lsum, acc, splits, heads, head_dim) of `attention_partials` combined from those
-    (x then only a pointer it does not read). Returns the (M, N) result."""
+    (x then only a pointer it does not read); with `pdl`, launched with PDL where supported.
+    Returns the (M, N) result."""
     N = _out_shape(x, w, gate_up)[1]
     out = torch.empty((M, N), dtype=w.dtype if residual is None else residual.dtype, device=w.device)
     block_m, block_n, block_k, num_warps = blocks_for(M, N, K, gate_up)
@@ -244,29 +284,30 @@ def _launch(x: torch.Tensor, stride_xm: int, M: int, K: int, w: torch.Tensor, no
     r = out if residual is None else residual
     m, lsum, acc, splits, heads, head_dim = (x, x, x, 1, 1, 1) if parts is None else parts
     with _device(w):
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (a function of the launch metadata)
-        wrap_triton(_decode_linear_kernel)[grid](
+        _decode_linear_kernel[(triton.cdiv(N, block_n),)](
             x, w, g, r, out, M, N, K, stride_xm, w.stride(0), r.stride(0), out.stride(0), m, lsum, acc, heads,
             EPS=float(eps), HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, GATE_UP=gate_up,
             FROM_PARTS=parts is not None, SPLITS=splits, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps)
+            num_warps=num_warps, **_pdl_options(pdl, w))
     return out
 
 
-def _decode_linear_fake(x, w, norm_weight, residual, eps, gate_up):
+def _decode_linear_fake(x, w, norm_weight, residual, eps, gate_up, pdl):
     return torch.empty(_out_shape(x, w, gate_up), dtype=w.dtype if residual is None else residual.dtype,
                        device=w.device)
 
 
-_decode_linear_op = _register("scratchlm::decode_linear", _decode_linear_impl, _decode_linear_fake)
+_decode_linear_op = _register("scratchlm::decode_linear", _decode_linear_impl, _decode_linear_fake, opaque=True)
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, eps: float = 1e-5, gate_up: bool = False) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, eps: float = 1e-5, gate_up: bool = False,
+                  pdl: bool = False) -> torch.Tensor:
     """(RMSNorm of) x (M, K) times wᵀ, then the SwiGLU gate (`gate_up`) and/or plus `residual`:
-    see the module docstring. Rows past MAX_ROWS, or tensors Triton cannot run, take torch's path."""
-    return _decode_linear_op(x, w, norm_weight, residual, float(eps), bool(gate_up))
+    see the module docstring. Rows past MAX_ROWS, or tensors Triton cannot run, take torch's path.
+    `pdl`: launch with programmatic dependent launch where supported (`pdl_supported`)."""
+    return _decode_linear_op(x, w, norm_weight, residual, float(eps), bool(gate_up), bool(pdl))
 
 
 def decode_qkv_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -300,7 +341,7 @@ def _check_qkv(x, w, cos, pos, k_cache, v_cache, num_heads) -> None:
 
 def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                      cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+                     v_cache: torch.Tensor, num_heads: int, pdl: bool) -> torch.Tensor:
     _check_qkv(x, w, cos, pos, k_cache, v_cache, num_heads)
     rows, kv_heads, d = x.shape[0], k_cache.shape[1], k_cache.shape[3]
     runs = (_can_use_triton(w) and rows <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1
@@ -315,31 +356,32 @@ def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor
     heads = num_heads + 2 * kv_heads
     g = x if norm_weight is None else norm_weight
     with _device(w):
-        grid = lambda meta: (heads * (d // 2 // meta["BLOCK_P"]),)  # noqa: E731 (a function of the launch metadata)
-        wrap_triton(_decode_qkv_kernel)[grid](
+        _decode_qkv_kernel[(heads * (d // 2 // block_p),)](
             x, w, g, cos, sin, pos, q, k_cache, v_cache, rows, x.shape[1], x.stride(0), w.stride(0), q.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
             EPS=float(eps), HAS_NORM=norm_weight is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
-            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=num_warps)
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=num_warps,
+            **_pdl_options(pdl, w))
     return q
 
 
-def _decode_qkv_fake(x, w, norm_weight, eps, cos, sin, pos, k_cache, v_cache, num_heads):
+def _decode_qkv_fake(x, w, norm_weight, eps, cos, sin, pos, k_cache, v_cache, num_heads, pdl):
     return torch.empty((x.shape[0], num_heads * k_cache.shape[3]), dtype=w.dtype, device=w.device)
 
 
 _decode_qkv_op = _register("scratchlm::decode_qkv", _decode_qkv_impl, _decode_qkv_fake,
-                           mutates_args=("k_cache", "v_cache"))
+                           mutates_args=("k_cache", "v_cache"), opaque=True)
 
 
 def decode_qkv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               num_heads: int) -> torch.Tensor:
+               num_heads: int, pdl: bool = False) -> torch.Tensor:
     """A decode step's q|k|v in one kernel: (RMSNorm of) x (M, K) times the stacked q|k|v weight w
     ((H + 2·Hkv)·d, K), RoPE (interleaved pairs, `scratchlm.model.rope`) on q and k at each row's
     position pos[row] from the (positions, d/2) tables cos and sin, and k and v written to the
-    caches (slots, Hkv, L, d) at [row, :, pos[row]]. Returns the rotated q, (M, H·d) in w's dtype."""
-    return _decode_qkv_op(x, w, norm_weight, float(eps), cos, sin, pos, k_cache, v_cache, int(num_heads))
+    caches (slots, Hkv, L, d) at [row, :, pos[row]]. Returns the rotated q, (M, H·d) in w's dtype.
+    `pdl` as for `decode_linear`."""
+    return _decode_qkv_op(x, w, norm_weight, float(eps), cos, sin, pos, k_cache, v_cache, int(num_heads), bool(pdl))
 
 
 def decode_attention_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -353,7 +395,7 @@ def decode_attention_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
-                                  w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+                                  w: torch.Tensor, residual: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     b, H, _, d = q.shape
     if w.dim() != 2 or w.shape[1] != H * d or (residual is not None and tuple(residual.shape) != (b, w.shape[0])):
         raise ValueError(f"decode_attention_linear: q (b, H, 1, d), w (N, H·d), residual (b, N); got q "
@@ -363,22 +405,23 @@ def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
-    m, lsum, acc, splits = attention_partials(q, k, v, pos, window)
-    return _launch(q, 0, b, H * d, w, None, residual, 0.0, False, parts=(m, lsum, acc, splits, H, d))
+    m, lsum, acc, splits = attention_partials(q, k, v, pos, window, pdl=pdl)
+    return _launch(q, 0, b, H * d, w, None, residual, 0.0, False, pdl, parts=(m, lsum, acc, splits, H, d))
 
 
-def _decode_attention_linear_fake(q, k, v, pos, window, w, residual):
+def _decode_attention_linear_fake(q, k, v, pos, window, w, residual, pdl):
     return torch.empty((q.shape[0], w.shape[0]), dtype=w.dtype if residual is None else residual.dtype,
                        device=w.device)
 
 
 _decode_attention_linear_op = _register("scratchlm::decode_attention_linear", _decode_attention_linear_impl,
-                                        _decode_attention_linear_fake)
+                                        _decode_attention_linear_fake, opaque=True)
 
 
 def decode_attention_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None,
-                            w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                            w: torch.Tensor, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """`scratchlm.kernels.decode_attention_triton.decode_attention(q, k, v, pos, window)` (b, H,
     1, d), its heads side by side (b, H·d), times wᵀ (w (N, H·d)), plus `residual` (b, N): the
-    attention's split partial results combined inside the projection's kernel."""
-    return _decode_attention_linear_op(q, k, v, pos, int(window or 0), w, residual)
+    attention's split partial results combined inside the projection's kernel. `pdl` as for
+    `decode_linear` (both kernels)."""
+    return _decode_attention_linear_op(q, k, v, pos, int(window or 0), w, residual, bool(pdl))

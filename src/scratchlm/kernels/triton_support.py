@@ -37,8 +37,8 @@ except ImportError:
     triton = None
     tl = None
 
-__all__ = ["OP_REGISTRATIONS", "can_use_triton", "device_of", "interpreting", "op_registration", "register_op",
-           "set_op_registration", "tl", "triton", "triton_available", "wrap_triton"]
+__all__ = ["OP_REGISTRATIONS", "can_use_triton", "device_of", "interpreting", "op_registration", "pdl_supported",
+           "register_op", "set_op_registration", "tl", "triton", "triton_available", "wrap_triton"]
 
 
 def triton_available() -> bool:
@@ -54,6 +54,18 @@ def interpreting() -> bool:
 def can_use_triton(t: torch.Tensor) -> bool:
     """Whether a kernel can run on `t`: triton is installed and `t` is on CUDA (or interpreted)."""
     return triton_available() and (t.is_cuda or interpreting())
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Whether kernels on `t` can be launched with programmatic dependent launch (PDL): a CUDA
+    device of compute capability 9 or more (Hopper on) and a Triton with grid dependency control
+    (``tl.extra.cuda.gdc_wait``). A PDL kernel may start while the kernel before it in the stream
+    still runs, and waits (``gdc_wait``) before it reads what that kernel wrote: what it reads
+    before then must not depend on it (weights)."""
+    if not (triton_available() and t.is_cuda and not interpreting()):
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
 def device_of(t: torch.Tensor):
@@ -109,11 +121,12 @@ def wrap_triton(kernel):
     return torch.library.wrap_triton(kernel) if op_registration() == "triton_op" else kernel
 
 
-def register_op(name: str, impl, fake, *, mutates_args: tuple[str, ...] = ()):
+def register_op(name: str, impl, fake, *, mutates_args: tuple[str, ...] = (), opaque: bool = False):
     """The op `name` running `impl`: a triton_op where torch has one (its body is its own fake
-    kernel), else a custom op with the fake kernel `fake`. `impl` mutates only the arguments
-    named in `mutates_args`."""
-    if op_registration() == "custom_op":
+    kernel), else, or with `opaque`, a custom op with the fake kernel `fake`. `impl` mutates only
+    the arguments named in `mutates_args`. An opaque op launches its kernels itself (not through
+    `wrap_triton`), inside compiled code too: with launch options Inductor does not pass on (PDL)."""
+    if opaque or op_registration() == "custom_op":
         op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         op.register_fake(fake)
         return op
