@@ -84,6 +84,27 @@ def test_engine_run_directly_with_per_row_budgets(model):
         engine.run([[1] * 40], [30])
 
 
+def test_greedy_steps_replayed_together_give_the_same_tokens(model, monkeypatch):
+    # n greedy steps a replay where the window and the next check allow: the same steps, so the
+    # same tokens, with refills, compaction, stop ids and windows of 8 slots that the steps cross
+    prompts = _prompts(7, seed=9)
+    budgets = [5, 30, 17, 9, 26, 1, 22]
+    stops = [3, 11]
+    expected = DecodeEngine(model, 3, 64, len_bucket=8, check_every=8).run(prompts, budgets, temperature=0,
+                                                                           stop_ids=stops)
+    engine = DecodeEngine(model, 3, 64, len_bucket=8, check_every=8)
+    engine.steps_per_replay = 4
+    calls = []
+    step = DecodeEngine._step
+    monkeypatch.setattr(DecodeEngine, "_step", lambda self, b, L, greedy, n=1: calls.append(n) or step(
+        self, b, L, greedy, n))
+    assert engine.run(prompts, budgets, temperature=0, stop_ids=stops) == expected
+    assert 4 in calls and 1 in calls  # both kinds ran
+    calls.clear()
+    engine.run(prompts, budgets, temperature=1.0, stop_ids=stops)
+    assert set(calls) == {1}  # a sampled step draws between steps
+
+
 def test_sampling_seeded_and_rows_independent_of_slots(model):
     prompts = _prompts(6, seed=3)
     kw = dict(temperature=1.2, top_k=20, top_p=0.9, seed=5)

@@ -95,6 +95,14 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
+def test_the_engine_refuses_pdl_where_it_cannot_launch_with_it():
+    model = _model()
+    assert DecodeEngine(model, 2, 32, fused_blocks=True).cache.pdl is False  # the CPU: not supported
+    for fused in (False, True):
+        with pytest.raises(ValueError, match="pdl=True needs fused_blocks and a CUDA device"):
+            DecodeEngine(model, 2, 32, fused_blocks=fused, pdl=True)
+
+
 def test_the_engine_refuses_an_unknown_fused_blocks_value():
     with pytest.raises(ValueError, match="fused_blocks must be"):
         DecodeEngine(_model(), 2, 32, fused_blocks="all")
@@ -144,3 +152,31 @@ def test_fused_blocks_on_cuda_captured(compile, fused):
     for plain, fused in zip(*outs, strict=True):
         agree = sum(a == b for a, b in zip(plain, fused, strict=True))
         assert agree >= 12, outs  # bf16 rounding may flip a near-tie late in a random model's sequence
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_pdl_launches_change_nothing(compile):
+    # The same kernels launched with programmatic dependent launch (each may start before the one
+    # before it ends, and waits for it before reading its results): the same logits, bit for bit,
+    # and the same tokens from captured (and compiled) steps, over windows the attention splits.
+    from scratchlm.kernels.triton_support import pdl_supported
+
+    if not pdl_supported(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs compute capability 9 or more and a Triton with gdc_wait")
+    model = _model().to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    logits = []
+    for pdl in (False, True):
+        engine = DecodeEngine(model, 2, 32, fused_blocks=True, pdl=pdl)
+        engine._refresh_projections()
+        engine._prefill([0, 1], [[1, 2, 3], [4, 5]])
+        logits.append(engine._decode_logits(torch.tensor([7, 8], device="cuda"), torch.tensor([3, 2], device="cuda"),
+                                            32))
+    assert torch.equal(*logits)
+    prompts = [[1, 2, 3], [4, 5]]
+    outs = [DecodeEngine(model, 2, 64, compile=compile, fused_blocks=True, pdl=pdl).run(prompts, [48, 48],
+                                                                                       temperature=0)
+            for pdl in (False, True)]
+    assert outs[0] == outs[1]

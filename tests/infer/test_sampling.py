@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scratchlm.infer.sampling import apply_temperature, sample_next, top_k_filter, top_p_filter
+from scratchlm.infer.sampling import apply_temperature, chunked_argmax, sample_next, top_k_filter, top_p_filter
 
 NEG = float("-inf")
 
@@ -94,3 +94,13 @@ def test_a_tiny_top_p_keeps_the_most_likely_token(p):
     logits = torch.randn(8, 50) * 4
     assert torch.equal(torch.isinf(top_p_filter(logits, p)), logits != logits.amax(-1, keepdim=True))
     assert torch.equal(sample_next(logits, top_p=p, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("V", [1, 7, 64, 50257])
+@pytest.mark.parametrize("chunks", [1, 8, 64])
+def test_chunked_argmax_is_argmax_ties_included(V, chunks):
+    g = torch.Generator().manual_seed(V + chunks)
+    logits = torch.randint(-3, 4, (5, V), generator=g).float()  # many ties: the first maximal index wins
+    logits[4] = torch.randn(V, generator=g)
+    logits[3, -1] = 10.0  # the last column, in the padded slice
+    assert torch.equal(chunked_argmax(logits, chunks), logits.argmax(dim=-1))

@@ -46,9 +46,10 @@ import torch._inductor.config
 from torch import Tensor, nn
 
 from scratchlm.infer.padded_head import PaddedHead
-from scratchlm.infer.sampling import sample_next
+from scratchlm.infer.sampling import chunked_argmax, sample_next
 from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
+from scratchlm.kernels.triton_support import pdl_supported
 
 
 # torch.compile modes a DecodeEngine may use: none captures CUDA graphs of its own (the engine
@@ -63,6 +64,9 @@ FUSED_BLOCKS = (False, True, "projections")
 # The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
 # which torch.compile would specialise on, for little padding.
 PREFILL_BUCKET = 16
+
+# Greedy decode steps captured in one CUDA graph (`DecodeEngine.steps_per_replay`)
+GREEDY_STEPS_PER_REPLAY = 8
 
 # The most (rows, width) shapes of prefill an engine captures in CUDA graphs (`prefill_graphs`):
 # rollouts repeat a few shapes; prompts of many lengths would otherwise capture graph after graph.
@@ -172,14 +176,17 @@ class DecodeEngine:
     and the cache write inside the q|k|v kernel, and (with the Triton decode attention) the
     attention's split combine inside the output projection's; `fused_blocks="projections"`
     leaves RoPE, the cache write and attention to torch (to Inductor when compiled), for
-    comparison.
+    comparison. `pdl` (default: where supported) launches those kernels with programmatic
+    dependent launch (`scratchlm.kernels.triton_support.pdl_supported`, Hopper on): each starts
+    while the one before it finishes and loads its weights meanwhile.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = False) -> None:
+                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = False,
+                 pdl: bool | None = None) -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
@@ -204,6 +211,11 @@ class DecodeEngine:
             decode_attention = default_decode_attention(model, self.device)
         self.cache.decode_attention = decode_attention
         self.cache.fused_blocks = fused_blocks
+        supported = bool(fused_blocks) and pdl_supported(next(model.parameters()))
+        if pdl and not supported:
+            raise ValueError("pdl=True needs fused_blocks and a CUDA device of compute capability 9 or more "
+                             "with a Triton that has tl.extra.cuda.gdc_wait")
+        self.cache.pdl = supported if pdl is None else pdl
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
             self.cache.projections = projections if len(projections) and projections.fits(self.device) else None
@@ -229,7 +241,11 @@ class DecodeEngine:
             self._prefill_forward = self._compiled_prefill()
         if (compile and cuda) or self.prefill_graphs:
             self.prefill_bucket = PREFILL_BUCKET
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # Greedy steps a replay runs where the window L and the next check allow (`run`): at batch 1
+        # a step's GPU time is ~0.4 ms, and the host's ~25 us between two replays is a gap of
+        # its own per replay.
+        self.steps_per_replay = GREEDY_STEPS_PER_REPLAY if self.cuda_graphs else 1
         self._prefill_graph_cache: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], Tensor]] = {}
         self._pool = None
         dev, S = self.device, slots
@@ -262,10 +278,10 @@ class DecodeEngine:
 
     def _decode_next(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, Tensor]:
         """The step's logits (b, V) and their argmax (b,) for rows of `lens` cached tokens:
-        compiled, the argmax is one fused reduction instead of eager kernels after the graph's
-        matmuls (unused by a sampled step)."""
+        compiled, the argmax is two fused reductions (`chunked_argmax`) instead of eager kernels
+        after the graph's matmuls (unused by a sampled step)."""
         logits = self._decode_logits(tokens, self._positions(lens), L)
-        return logits, logits.argmax(dim=-1)
+        return logits, chunked_argmax(logits)
 
     def _compiled_step(self, backend="inductor"):
         """`_decode_next` under `torch.compile`, compiled for this engine alone (`_own_compiled`).
@@ -341,24 +357,31 @@ class DecodeEngine:
     def _state(self) -> list[Tensor]:
         return [self.tokens, self.lens, self.n_out, self.done, self.out]
 
-    def _step(self, b: int, L: int, greedy: bool) -> Tensor:
+    def _steps(self, b: int, L: int, greedy: bool, n: int) -> Tensor:
+        for _ in range(n):
+            logits = self._step_body(b, L, greedy)
+        return logits
+
+    def _step(self, b: int, L: int, greedy: bool, n: int = 1) -> Tensor:
+        """n decode steps of the first b rows over L cache slots (n > 1: greedy steps only), the
+        last one's logits: one replay of the graph captured for (b, L, greedy, n) with CUDA graphs."""
         if not self.cuda_graphs:
-            return self._step_body(b, L, greedy)
-        key = (b, L, greedy)
+            return self._steps(b, L, greedy, n)
+        key = (b, L, greedy, n)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(b, L, greedy)
+            self._graphs[key] = self._capture(b, L, greedy, n)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
-    def _capture(self, b: int, L: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _capture(self, b: int, L: int, greedy: bool, n: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         saved = [t.clone() for t in self._state()]
 
         def restore() -> None:  # the warm-up steps and the capture leave the state as they found it
             for t, s in zip(self._state(), saved):
                 t.copy_(s)
 
-        graph, logits = self._record_graph(lambda: self._step_body(b, L, greedy), warmups=2, after_warmup=restore)
+        graph, logits = self._record_graph(lambda: self._steps(b, L, greedy, n), warmups=2, after_warmup=restore)
         restore()
         return graph, logits
 
@@ -606,8 +629,11 @@ class DecodeEngine:
                 check_at = step + self.check_every
             hi = min(offset + step + 1, self.max_len)
             L = min(self.max_len, -(-hi // self.len_bucket) * self.len_bucket)
-            logits = self._step(b, L, greedy)
+            n = self.steps_per_replay if greedy else 1
+            if n > 1 and (step + n > check_at or min(offset + step + n, self.max_len) > L):
+                n = 1  # the next check, or a wider window, comes first
+            logits = self._step(b, L, greedy, n)
             if not greedy:
                 self._advance(sample_next(logits, *sampling), b)
-            step += 1
+            step += n
         return outs

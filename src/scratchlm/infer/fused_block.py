@@ -80,6 +80,7 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
     rope_in_kernel = view.cache.fused_blocks != "projections"
     # the split decode attention's partial results combined by the output projection's kernel
     combine_in_projection = rope_in_kernel and view.cache.decode_attention == "triton"
+    pdl = view.cache.pdl  # each kernel may start while the one before finishes (weights loaded meanwhile)
 
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
@@ -87,19 +88,20 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
         if rope is not None and rope_in_kernel:  # RoPE and the cache write inside the q|k|v kernel
             k_buf, v_buf = view.cache.buffers(attn.layer_idx, w_qkv)
             pos = view.pos if token_positions is None else token_positions.reshape(b)
-            q = decode_qkv(h, w_qkv, ln1.weight, ln1.eps, rope.cos, rope.sin, pos, k_buf, v_buf, attn.num_heads)
+            q = decode_qkv(h, w_qkv, ln1.weight, ln1.eps, rope.cos, rope.sin, pos, k_buf, v_buf, attn.num_heads,
+                           pdl=pdl)
             q = q.view(b, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (b, H, 1, d)
             k_win, v_win = k_buf[:b, :, :view.L], v_buf[:b, :, :view.L]
             if combine_in_projection:
-                h = decode_attention_linear(q, k_win, v_win, pos, view.sliding_window, w_o, residual=h)
+                h = decode_attention_linear(q, k_win, v_win, pos, view.sliding_window, w_o, residual=h, pdl=pdl)
             else:
                 a = view.attend(q, k_win, v_win, view.mask).transpose(1, 2)
-                h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
+                h = decode_linear(a.reshape(b * t, d), w_o, residual=h, pdl=pdl)
         else:
-            q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps)
+            q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps, pdl=pdl)
             a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
-            h = decode_linear(a.reshape(b * t, d), w_o, residual=h)
-        g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True)
-        return decode_linear(g, w_2, residual=h).view(b, t, d)
+            h = decode_linear(a.reshape(b * t, d), w_o, residual=h, pdl=pdl)
+        g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True, pdl=pdl)
+        return decode_linear(g, w_2, residual=h, pdl=pdl).view(b, t, d)
 
     return step

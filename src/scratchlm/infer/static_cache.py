@@ -93,6 +93,8 @@ class StaticKVCache:
         # `fused_blocks`): the norms, the SwiGLU gate and the residual adds inside the matmul kernels,
         # and RoPE and the cache write too unless it is "projections"
         self.fused_blocks: bool | str = False
+        # whether the fused blocks' kernels launch with programmatic dependent launch (the engine's `pdl`)
+        self.pdl = False
 
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
