@@ -155,10 +155,11 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 # neighbours (RMSNorm before, residual add after), its kernels tuned by coordinate descent
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
-def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, **engine_options):
+def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, steps_per_replay=None,
+             **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
-    the attention windows of `generate`'s engines."""
+    the attention windows of `generate`'s engines; `steps_per_replay` replaces the engine's."""
     from scratchlm.infer.engine import DecodeEngine
     from scratchlm.infer.generate import _LEN_BUCKET
 
@@ -166,6 +167,8 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True
     if name not in _KEPT or _KEPT[name][0] != need:
         _KEPT[name] = (need, DecodeEngine(model, len(prompts), need, compile=compile, len_bucket=_LEN_BUCKET,
                                           **engine_options))
+        if steps_per_replay is not None:
+            _KEPT[name][1].steps_per_replay = steps_per_replay
     engine = _KEPT[name][1]
     with torch.inference_mode():
         if not stop_ids:
@@ -287,6 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         # the same with RoPE and the cache write left to Inductor instead of in the q|k|v kernel
         "scratchlm_engine_graphs_compile_fused_projections": lambda: _variant("fused_projections", model, prompt, n,
                                                                               fused_blocks="projections"),
+        # the fused blocks' kernels launched without PDL (pdl=False), then with one greedy step a
+        # graph replay instead of DecodeEngine.steps_per_replay, then with Inductor's own kernels
+        # (embedding, final norm, argmax, bookkeeping) launched with PDL too
+        "scratchlm_engine_graphs_compile_fused_nopdl": lambda: _variant("fused_nopdl", model, prompt, n,
+                                                                        fused_blocks=True, pdl=False),
+        "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
+            "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
+        "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(
+            "fused_inductor_pdl", model, prompt, n, fused_blocks=True, inductor_options={"triton.enable_pdl": True}),
         "scratchlm_engine_graphs_fused": lambda: _variant("fused_eager", model, prompt, n, compile=False,
                                                           fused_blocks=True),
         # decode attention by torch's fused kernel over the masked window, where the engine's
