@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rollout-repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
-    steps = ["b1", "b1_gemv", "b1_fused", "b1_fused_projections", "b64"]
+    steps = ["b1", "b1_gemv", "b1_fused", "b1_fused_pdl", "b1_fused_projections", "b64"]
     p.add_argument("--profile-steps", nargs="*", default=steps, choices=steps, help="which steps --profile profiles")
     p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
@@ -290,15 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         # the same with RoPE and the cache write left to Inductor instead of in the q|k|v kernel
         "scratchlm_engine_graphs_compile_fused_projections": lambda: _variant("fused_projections", model, prompt, n,
                                                                               fused_blocks="projections"),
-        # the fused blocks' kernels launched without PDL (pdl=False), then with one greedy step a
-        # graph replay instead of DecodeEngine.steps_per_replay, then with Inductor's own kernels
-        # (embedding, final norm, argmax, bookkeeping) launched with PDL too
-        "scratchlm_engine_graphs_compile_fused_nopdl": lambda: _variant("fused_nopdl", model, prompt, n,
-                                                                        fused_blocks=True, pdl=False),
+        # the fused blocks' kernels launched with programmatic dependent launch (pdl=True), then
+        # with one greedy step a graph replay instead of DecodeEngine.steps_per_replay, then with
+        # Inductor's own kernels (embedding, final norm, argmax, bookkeeping) launched with PDL too
+        "scratchlm_engine_graphs_compile_fused_pdl": lambda: _variant("fused_pdl", model, prompt, n,
+                                                                      fused_blocks=True, pdl=True),
         "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
             "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
         "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(
-            "fused_inductor_pdl", model, prompt, n, fused_blocks=True, inductor_options={"triton.enable_pdl": True}),
+            "fused_inductor_pdl", model, prompt, n, fused_blocks=True, pdl=True,
+            inductor_options={"triton.enable_pdl": True}),
         "scratchlm_engine_graphs_fused": lambda: _variant("fused_eager", model, prompt, n, compile=False,
                                                           fused_blocks=True),
         # decode attention by torch's fused kernel over the masked window, where the engine's
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
         profiles = ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
-                    (1, "_fused", {"fused_blocks": True}),
+                    (1, "_fused", {"fused_blocks": True}), (1, "_fused_pdl", {"fused_blocks": True, "pdl": True}),
                     (1, "_fused_projections", {"fused_blocks": "projections"}), (64, "", {}))
         for B, name, options in profiles:
             if f"b{B}{name}" not in args.profile_steps:

@@ -97,7 +97,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
 
 def test_the_engine_refuses_pdl_where_it_cannot_launch_with_it():
     model = _model()
-    assert DecodeEngine(model, 2, 32, fused_blocks=True).cache.pdl is False  # the CPU: not supported
+    assert DecodeEngine(model, 2, 32, fused_blocks=True).cache.pdl is False  # off unless asked for
     for fused in (False, True):
         with pytest.raises(ValueError, match="pdl=True needs fused_blocks and a CUDA device"):
             DecodeEngine(model, 2, 32, fused_blocks=fused, pdl=True)

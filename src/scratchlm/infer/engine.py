@@ -176,9 +176,9 @@ class DecodeEngine:
     and the cache write inside the q|k|v kernel, and (with the Triton decode attention) the
     attention's split combine inside the output projection's; `fused_blocks="projections"`
     leaves RoPE, the cache write and attention to torch (to Inductor when compiled), for
-    comparison. `pdl` (default: where supported) launches those kernels with programmatic
-    dependent launch (`scratchlm.kernels.triton_support.pdl_supported`, Hopper on): each starts
-    while the one before it finishes and loads its weights meanwhile.
+    comparison. `pdl` launches those kernels with programmatic dependent launch
+    (`scratchlm.kernels.triton_support.pdl_supported`, Hopper on): each starts while the one
+    before it finishes and loads its weights meanwhile (off by default until measured on a GPU).
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
@@ -186,7 +186,7 @@ class DecodeEngine:
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
                  decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = False,
-                 pdl: bool | None = None) -> None:
+                 pdl: bool = False) -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
@@ -211,11 +211,10 @@ class DecodeEngine:
             decode_attention = default_decode_attention(model, self.device)
         self.cache.decode_attention = decode_attention
         self.cache.fused_blocks = fused_blocks
-        supported = bool(fused_blocks) and pdl_supported(next(model.parameters()))
-        if pdl and not supported:
+        if pdl and not (fused_blocks and pdl_supported(next(model.parameters()))):
             raise ValueError("pdl=True needs fused_blocks and a CUDA device of compute capability 9 or more "
                              "with a Triton that has tl.extra.cuda.gdc_wait")
-        self.cache.pdl = supported if pdl is None else pdl
+        self.cache.pdl = pdl
         if stack_projections:  # q|k|v and w1|w3 as one matmul each (a copy of those weights)
             projections = StackedProjections.for_model(model)
             self.cache.projections = projections if len(projections) and projections.fits(self.device) else None
