@@ -21,6 +21,13 @@ Then, for attention and the output projection after it (plus the residual), at a
 combined inside the projection's kernel) against `decode_attention` then `decode_linear` (the
 split attention, its combine kernel, then the projection: what an unfused step runs).
 
+Then a whole fused decode step's layers (`--layers`, default the model's count, each with its
+own weights so that they come from memory, not cache): per layer `decode_qkv` (RMSNorm + q|k|v +
+RoPE + cache write), `decode_attention_linear`, `decode_linear` with the gate, `decode_linear`
+with the residual, as `scratchlm.infer.fused_block` runs them, launched without and with
+programmatic dependent launch (`pdl`, Hopper on): the step's time without the LM head, its
+share of the copy bandwidth, and PDL's ratio. No torch.compile is involved, so this takes seconds.
+
 `--sweep` instead times `decode_linear` with every tile choice (BLOCK_N in 2..16, BLOCK_K in
 128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
 and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen.
@@ -45,6 +52,7 @@ SHAPES = {  # model: (d_model, q|k|v width, d_ff)
     "llama1b": (2048, 3 * 2048, 8192),
 }
 HEADS = {"gpt2": (12, 12), "llama1b": (32, 8)}  # model: (query heads, kv heads)
+LAYERS = {"gpt2": 12, "llama1b": 16}
 
 
 def copy_bandwidth() -> float:
@@ -108,6 +116,75 @@ def time_attention_output(model: str, rows: int, keys: int, calls: int, repeats:
     return out
 
 
+def layer_weights(model: str, rows: int, keys: int, device="cuda", dtype=torch.bfloat16) -> dict:
+    """One layer's fused-step operands at `rows` rows and caches of `keys` positions a row."""
+    d, _, ff = SHAPES[model]
+    H, Hkv = HEADS[model]
+    hd = d // H
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    return dict(w_qkv=t((H + 2 * Hkv) * hd, d, scale=d ** -0.5), ln1=1 + 0.1 * t(d), w_o=t(d, d, scale=d ** -0.5),
+                w13=t(2 * ff, d, scale=d ** -0.5), ln2=1 + 0.1 * t(d), w2=t(d, ff, scale=ff ** -0.5),
+                k_buf=t(rows, Hkv, 2 * keys + 1, hd), v_buf=t(rows, Hkv, 2 * keys + 1, hd))
+
+
+def layer_stack(model: str, rows: int, keys: int, layers: int, device="cuda"):
+    """(step(pdl), weight bytes a step) of a fused decode step's `layers` layers (module docstring)."""
+    from scratchlm.kernels.decode_linear_triton import decode_qkv
+
+    d = SHAPES[model][0]
+    H = HEADS[model][0]
+    hd = d // H
+    stack = [layer_weights(model, rows, keys, device) for _ in range(layers)]
+    inv_freq = 10_000.0 ** (-torch.arange(0, hd, 2, device=device) / hd)
+    angles = torch.arange(2 * keys + 1, device=device)[:, None] * inv_freq  # RoPE's (positions, d/2) tables
+    cos, sin = angles.cos(), angles.sin()
+    pos = torch.full((rows,), keys - 1, dtype=torch.long, device=device)
+    x = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
+    nbytes = sum(w.numel() * w.element_size() for layer in stack for n, w in layer.items() if n.startswith("w"))
+
+    def step(pdl: bool) -> torch.Tensor:
+        h = x
+        for w in stack:
+            q = decode_qkv(h, w["w_qkv"], w["ln1"], 1e-5, cos, sin, pos, w["k_buf"], w["v_buf"], H, pdl=pdl)
+            q = q.view(rows, 1, H, hd).transpose(1, 2)
+            h = decode_attention_linear(q, w["k_buf"][:, :, :keys], w["v_buf"][:, :, :keys], pos, None, w["w_o"],
+                                        residual=h, pdl=pdl)
+            gated = decode_linear(h, w["w13"], w["ln2"], gate_up=True, pdl=pdl)
+            h = decode_linear(gated, w["w2"], residual=h, pdl=pdl)
+        return h
+
+    return step, nbytes
+
+
+def time_layer_stack(model: str, rows: int, keys: int, layers: int, calls: int, repeats: int,
+                     bandwidth: float) -> list[dict]:
+    """The layer stack's step timed without and with PDL (where supported), after checking that
+    both give the same result bit for bit."""
+    from scratchlm.kernels.triton_support import pdl_supported
+
+    step, nbytes = layer_stack(model, rows, keys, layers)
+    peers = {"no_pdl": False}
+    if pdl_supported(torch.empty(1, device="cuda")):
+        peers["pdl"] = True
+        if not torch.equal(step(False), step(True)):
+            raise AssertionError("the step launched with PDL differs from the step without")
+    times = {peer: captured_call_seconds(lambda pdl=pdl: step(pdl), calls, repeats, replays=1)
+             for peer, pdl in peers.items()}
+    out = []
+    for peer, seconds in times.items():
+        out.append({"model": model, "projection": "layer_stack", "rows": rows, "keys": keys, "layers": layers,
+                    "peer": peer, "us": seconds * 1e6, "us_per_layer": seconds * 1e6 / layers,
+                    "bandwidth_share": nbytes / seconds / bandwidth, "x_no_pdl": times["no_pdl"] / seconds})
+        print(f"{model:8s} {layers} fused layers  rows {rows}  {keys} keys  {peer:7s} {seconds * 1e6:8.1f} us "
+              f"({seconds * 1e6 / layers:5.2f} us a layer, {100 * out[-1]['bandwidth_share']:5.1f}% of copy)  "
+              f"{out[-1]['x_no_pdl']:.2f}x the speed without PDL", flush=True)
+    return out
+
+
 def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
     """The fastest tiles of `decode_linear` per projection and row count (see the module docstring)."""
     chosen = decode_linear_triton.blocks_for
@@ -143,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--keys", type=int, default=320, help="cached positions a row for the attention peers")
+    p.add_argument("--layers", type=int, help="fused layers a step for the layer-stack peers (default: the model's; "
+                                              "0 leaves them out)")
+    p.add_argument("--only-layers", action="store_true", help="time the layer stacks only")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
     return p
@@ -167,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     rows_out = []
     for model in args.model:
         for rows in args.rows:
+            layers = LAYERS[model] if args.layers is None else args.layers
+            if layers:
+                rows_out += time_layer_stack(model, rows, args.keys, layers, 10, args.repeats, bandwidth)
+                if args.json:
+                    write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+            if args.only_layers:
+                continue
             for name, (kw, nbytes) in projections(model, rows).items():
                 reference = decode_linear_reference(**kw)
                 torch.testing.assert_close(decode_linear(**kw), reference, rtol=2e-2, atol=2e-2)
