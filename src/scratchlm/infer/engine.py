@@ -11,8 +11,10 @@ running them. So the per-token work is made replayable:
 - On CUDA each (b, L) step is captured once in a CUDA graph and replayed (optionally after
   `torch.compile`, which fuses the elementwise work of the layers into few kernels). A greedy
   step's graph also takes the argmax and records the token; a sampled step draws on the GPU
-  just after the replay (`sampling.sample_next` never synchronises). On the CPU the same step
-  runs eagerly.
+  just after the replay (`sampling.sample_next` never synchronises). Greedy steps are captured
+  up to `GREEDY_STEPS_PER_REPLAY` to a graph where the window and the next finished-row check
+  allow: one replay, one gap on the host, for several steps. On the CPU the same step runs
+  eagerly.
 - Each layer's q|k|v and SwiGLU w1|w3 projections run as one matmul each, through stacked
   copies of their weights refreshed at every run (`stacked.StackedProjections`): at small batch
   a step is bound by how many kernels it launches.
