@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
-from scratchlm.kernels.triton_support import pdl_supported
+from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
@@ -197,10 +197,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window > 0, SPLITS=splits, QK_SCALE=qk_scale)
     with _device(k):
         grid = lambda meta: (b, H, meta["SPLITS"])  # noqa: E731 (a function of the launch metadata, as torch.compile traces it)
-        on = pdl and pdl_supported(k)
         wrap_triton(_decode_attention_kernel)[grid](*args, GROUP=group, BLOCK_N=BLOCK_N, PARTIALS=partials,
-                                                    num_warps=4, PDL=on, **common,
-                                                    **({"launch_pdl": True} if on else {}))
+                                                    num_warps=4, **common, **pdl_launch_options(pdl, k))
         if splits > 1 and not partials:
             combine_grid = lambda meta: (b, H)  # noqa: E731
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),

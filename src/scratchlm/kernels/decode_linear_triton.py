@@ -41,7 +41,7 @@ import torch
 from scratchlm.kernels.decode_attention_triton import attention_partials, decode_attention_reference, runs_on_triton
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
-from scratchlm.kernels.triton_support import pdl_supported
+from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton
 
@@ -264,12 +264,6 @@ def _decode_linear_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Ten
     return _launch(x, x.stride(0), M, x.shape[1], w, norm_weight, residual, eps, gate_up, pdl)
 
 
-def _pdl_options(pdl: bool, t: torch.Tensor) -> dict:
-    """The kernels' PDL constexpr and launch option: on where asked for and `pdl_supported`."""
-    on = pdl and pdl_supported(t)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
-
 def _launch(x: torch.Tensor, stride_xm: int, M: int, K: int, w: torch.Tensor, norm_weight: torch.Tensor | None,
             residual: torch.Tensor | None, eps: float, gate_up: bool, pdl: bool,
             parts: tuple | None = None) -> torch.Tensor:
@@ -289,7 +283,7 @@ def _launch(x: torch.Tensor, stride_xm: int, M: int, K: int, w: torch.Tensor, no
             EPS=float(eps), HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, GATE_UP=gate_up,
             FROM_PARTS=parts is not None, SPLITS=splits, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps, **_pdl_options(pdl, w))
+            num_warps=num_warps, **pdl_launch_options(pdl, w))
     return out
 
 
@@ -306,7 +300,8 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | 
                   pdl: bool = False) -> torch.Tensor:
     """(RMSNorm of) x (M, K) times wᵀ, then the SwiGLU gate (`gate_up`) and/or plus `residual`:
     see the module docstring. Rows past MAX_ROWS, or tensors Triton cannot run, take torch's path.
-    `pdl`: launch with programmatic dependent launch where supported (`pdl_supported`)."""
+    `pdl`: launch with programmatic dependent launch where supported
+    (`scratchlm.kernels.triton_support.pdl_supported`)."""
     return _decode_linear_op(x, w, norm_weight, residual, float(eps), bool(gate_up), bool(pdl))
 
 
@@ -361,7 +356,7 @@ def _decode_qkv_impl(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
             EPS=float(eps), HAS_NORM=norm_weight is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=num_warps,
-            **_pdl_options(pdl, w))
+            **pdl_launch_options(pdl, w))
     return q
 
 

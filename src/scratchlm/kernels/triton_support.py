@@ -37,8 +37,8 @@ except ImportError:
     triton = None
     tl = None
 
-__all__ = ["OP_REGISTRATIONS", "can_use_triton", "device_of", "interpreting", "op_registration", "pdl_supported",
-           "register_op", "set_op_registration", "tl", "triton", "triton_available", "wrap_triton"]
+__all__ = ["OP_REGISTRATIONS", "can_use_triton", "device_of", "interpreting", "op_registration", "pdl_launch_options",
+           "pdl_supported", "register_op", "set_op_registration", "tl", "triton", "triton_available", "wrap_triton"]
 
 
 def triton_available() -> bool:
@@ -66,6 +66,13 @@ def pdl_supported(t: torch.Tensor) -> bool:
         return False
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def pdl_launch_options(pdl: bool, t: torch.Tensor) -> dict:
+    """A kernel's PDL constexpr and launch option for a launch on `t`: on where asked for and
+    `pdl_supported`. (The kernel takes a `PDL: tl.constexpr` that makes it call ``gdc_wait``.)"""
+    on = pdl and pdl_supported(t)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def device_of(t: torch.Tensor):
