@@ -45,7 +45,9 @@ from scratchlm.bench.results import environment, write_json
 from scratchlm.bench.timing import captured_call_seconds
 from scratchlm.kernels import decode_linear_triton
 from scratchlm.kernels.decode_attention_triton import decode_attention
-from scratchlm.kernels.decode_linear_triton import decode_attention_linear, decode_linear, decode_linear_reference
+from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
+                                                   decode_qkv)
+from scratchlm.kernels.triton_support import pdl_supported
 
 SHAPES = {  # model: (d_model, q|k|v width, d_ff)
     "gpt2": (768, 3 * 768, 2048),
@@ -62,14 +64,21 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / seconds
 
 
-def projections(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
-    """{name: (kwargs of decode_linear, weight bytes)} for one block of `model` at `rows` rows."""
-    d, qkv, ff = SHAPES[model]
+def _random(device, dtype):
+    """t(*shape, scale=1.0): standard normal tensors times scale, drawn in turn from one seeded
+    generator, on `device` in `dtype`."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def t(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
 
+    return t
+
+
+def projections(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
+    """{name: (kwargs of decode_linear, weight bytes)} for one block of `model` at `rows` rows."""
+    d, qkv, ff = SHAPES[model]
+    t = _random(device, dtype)
     x, norm = t(rows, d), 1 + 0.1 * t(d)
     cases = {
         "qkv_norm": dict(x=x, w=t(qkv, d, scale=d ** -0.5), norm_weight=norm),
@@ -86,11 +95,7 @@ def attention_output(model: str, rows: int, keys: int, device="cuda", dtype=torc
     d = SHAPES[model][0]
     H, Hkv = HEADS[model]
     hd = d // H
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def t(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
+    t = _random(device, dtype)
     k_buf, v_buf = t(rows, Hkv, 2 * keys + 1, hd), t(rows, Hkv, 2 * keys + 1, hd)
     pos = torch.full((rows,), keys - 1, dtype=torch.long, device=device)
     return t(rows, H, 1, hd), k_buf[:, :, :keys], v_buf[:, :, :keys], pos, t(d, d, scale=d ** -0.5), t(rows, d)
@@ -121,11 +126,7 @@ def layer_weights(model: str, rows: int, keys: int, device="cuda", dtype=torch.b
     d, _, ff = SHAPES[model]
     H, Hkv = HEADS[model]
     hd = d // H
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def t(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
+    t = _random(device, dtype)
     return dict(w_qkv=t((H + 2 * Hkv) * hd, d, scale=d ** -0.5), ln1=1 + 0.1 * t(d), w_o=t(d, d, scale=d ** -0.5),
                 w13=t(2 * ff, d, scale=d ** -0.5), ln2=1 + 0.1 * t(d), w2=t(d, ff, scale=ff ** -0.5),
                 k_buf=t(rows, Hkv, 2 * keys + 1, hd), v_buf=t(rows, Hkv, 2 * keys + 1, hd))
@@ -133,8 +134,6 @@ def layer_weights(model: str, rows: int, keys: int, device="cuda", dtype=torch.b
 
 def layer_stack(model: str, rows: int, keys: int, layers: int, device="cuda"):
     """(step(pdl), weight bytes a step) of a fused decode step's `layers` layers (module docstring)."""
-    from scratchlm.kernels.decode_linear_triton import decode_qkv
-
     d = SHAPES[model][0]
     H = HEADS[model][0]
     hd = d // H
@@ -164,8 +163,6 @@ def time_layer_stack(model: str, rows: int, keys: int, layers: int, calls: int, 
                      bandwidth: float) -> list[dict]:
     """The layer stack's step timed without and with PDL (where supported), after checking that
     both give the same result bit for bit."""
-    from scratchlm.kernels.triton_support import pdl_supported
-
     step, nbytes = layer_stack(model, rows, keys, layers)
     peers = {"no_pdl": False}
     if pdl_supported(torch.empty(1, device="cuda")):
@@ -245,13 +242,17 @@ def main(argv: list[str] | None = None) -> int:
             setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(decode_linear_reference, dynamic=False)
     rows_out = []
+
+    def save() -> None:  # after each group of peers, so a run cut short still leaves its numbers
+        if args.json:
+            write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+
     for model in args.model:
         for rows in args.rows:
             layers = LAYERS[model] if args.layers is None else args.layers
             if layers:
                 rows_out += time_layer_stack(model, rows, args.keys, layers, 10, args.repeats, bandwidth)
-                if args.json:
-                    write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+                save()
             if args.only_layers:
                 continue
             for name, (kw, nbytes) in projections(model, rows).items():
@@ -272,11 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{model:8s} {name:14s} rows {rows}  {peer:15s} {row['us']:7.2f} us  "
                           f"{row['weight_gb_per_s']:7.0f} GB/s  {100 * row['bandwidth_share']:5.1f}% of copy  "
                           f"{row['x_decode_linear']:.2f}x decode_linear's time", flush=True)
-                if args.json:
-                    write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+                save()
             rows_out += time_attention_output(model, rows, args.keys, args.calls, args.repeats)
-            if args.json:
-                write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows_out})
+            save()
     return 0
 
 
