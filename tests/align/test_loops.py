@@ -250,10 +250,31 @@ def test_grpo_compiled_log_probs_give_the_eager_updates(tiny_policy):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_sft_with_compiled_log_probs_gives_the_eager_steps(tiny_policy):
+    import copy
+
+    pairs = _pairs(ArithmeticTask(difficulty=1).examples(6))
+    start = copy.deepcopy(tiny_policy.model.state_dict())
+    runs = {}
+    for compile in (False, True):
+        tiny_policy.model.load_state_dict(start)
+        history = sft_train(tiny_policy, pairs, sft=SFTConfig(micro_batch_size=3, grad_accum_steps=1, max_steps=3,
+                                                               compile=compile),
+                            optim=OptimConfig(lr=1e-2, warmup_steps=1), seed=0)
+        runs[compile] = (history, _params(tiny_policy.model))
+    (eager, w_eager), (compiled, w_compiled) = runs[False], runs[True]
+    for key in ("loss", "token_entropy", "grad_norm", "response_tokens"):
+        torch.testing.assert_close([h[key] for h in compiled], [h[key] for h in eager], rtol=1e-4, atol=1e-5)
+    assert eager[-1]["loss"] < eager[0]["loss"]
+    for a, b in zip(w_compiled, w_eager):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
 def test_blockwise_compiled_log_probs_equal_eager_with_one_graph_for_every_block():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from scratchlm.align.grpo import blockwise_compiled_log_probs
+    from scratchlm.align.compiled_logprobs import blockwise_compiled_log_probs
     from scratchlm.align.logprobs import response_log_probs
     from scratchlm.model.transformer import TransformerLM
 

@@ -109,6 +109,9 @@ class SFTConfig:
     # position, far longer than SFT pairs need)
     pack_length: int = 0
     mask_prompt: bool = True  # packed: no loss on prompt tokens; false trains on every token (plain LM)
+    # torch.compile the policy's log-probabilities as grpo.compile does (one graph shared by the
+    # blocks); a GRPO run after it in the same process reuses the graphs instead of compiling
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check_finite("sft", self)

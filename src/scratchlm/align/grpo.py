@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scratchlm.align.compiled_logprobs import log_probs_fn
 from scratchlm.align.config import GRPOConfig, OptimConfig, SamplingConfig
 from scratchlm.align.datasets import MathExample
 from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import (
-    compute_entropy,
     masked_mean,
     masked_normalize,
     response_log_probs,
@@ -226,57 +226,6 @@ def _sequence_log_probs(policy: Any, batch: dict[str, Tensor], micro: int, log_p
             parts.append(log_probs(policy.model, batch["input_ids"][s:s + micro],
                                    batch["labels"][s:s + micro])["log_probs"].float())
     return torch.cat(parts)
-
-
-_compiled: dict[tuple[str, Any], Any] = {}  # (what, backend) -> its torch.compile, shared by every call
-
-
-def _compiled_fn(name: str, fn, backend) -> Any:
-    key = (name, backend)
-    if key not in _compiled:
-        _compiled[key] = torch.compile(fn, dynamic=True, backend=backend)
-    return _compiled[key]
-
-
-def _head_log_probs(model: torch.nn.Module, h: Tensor, labels: Tensor, return_token_entropy: bool) -> dict[str, Tensor]:
-    logits = model.lm_head(h)
-    out = {"log_probs": torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)}
-    if return_token_entropy:
-        with torch.no_grad():
-            out["token_entropy"] = compute_entropy(logits.detach())
-    return out
-
-
-def blockwise_compiled_log_probs(backend: Any = "inductor"):
-    """`response_log_probs` of a scratchlm `TransformerLM` with its blocks run by one shared
-    `torch.compile` of a block call (the model's `block_runner`, for the call), its final norm
-    eager, and the head and log-softmax under another compile.
-
-    The blocks of a model share their code, so one compiled graph serves every layer: the
-    compilation costs about one block's, not the whole depth's: the first forward and backward
-    of the 6-layer policy of docs/benchmarks/post_training.md took 29 s against 65 s on the CPU,
-    each from an empty compile cache (on an H100 the whole-policy compile took 37 s of a 110 s
-    GRPO run). Other models (Hugging Face) compile whole."""
-    from scratchlm.model.transformer import TransformerLM, blocks_run_by, run_block
-
-    whole = _compiled_fn("whole", response_log_probs, backend)
-    block = _compiled_fn("block", run_block, backend)
-    head = _compiled_fn("head", _head_log_probs, backend)
-
-    def log_probs(model: torch.nn.Module, input_ids: Tensor, labels: Tensor,
-                  return_token_entropy: bool = False) -> dict[str, Tensor]:
-        if type(model) is not TransformerLM:
-            return whole(model, input_ids, labels, return_token_entropy)
-        with blocks_run_by(model, block):
-            h = model.hidden_states(input_ids)
-        return head(model, h, labels, return_token_entropy)
-
-    return log_probs
-
-
-def log_probs_fn(compile: bool, backend: Any = "inductor"):
-    """`response_log_probs`, or its compiled form (`blockwise_compiled_log_probs`)."""
-    return blockwise_compiled_log_probs(backend) if compile else response_log_probs
 
 
 class PhaseClock:

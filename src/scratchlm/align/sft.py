@@ -25,11 +25,11 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from scratchlm.align.compiled_logprobs import log_probs_fn
 from scratchlm.align.config import OptimConfig, SFTConfig
 from scratchlm.align.interrupt import stop_requested
 from scratchlm.align.logprobs import (
     masked_mean,
-    response_log_probs,
     sft_microbatch_train_step,
     tokenize_prompt_and_output,
 )
@@ -351,6 +351,7 @@ def sft_train(
     skip = first * sft.grad_accum_steps
     microbatches = (_packed_microbatches(packed, sft.micro_batch_size, policy.device, skip=skip) if sft.packed
                     else _padded_microbatches(policy, data, sft.micro_batch_size, seed, skip=skip))
+    log_probs = log_probs_fn(sft.compile)
     model.train()
     bar = _bar(total, progress)
     bar.update(first)
@@ -359,7 +360,7 @@ def sft_train(
         for _ in range(sft.grad_accum_steps):
             batch_t = next(microbatches)
             with autocast_context(policy.device):
-                out = response_log_probs(model, batch_t["input_ids"], batch_t["labels"], return_token_entropy=True)
+                out = log_probs(model, batch_t["input_ids"], batch_t["labels"], return_token_entropy=True)
             loss, meta = sft_microbatch_train_step(out["log_probs"], batch_t["response_mask"], sft.grad_accum_steps,
                                                    normalize_constant)
             loss_sum += float(loss)
