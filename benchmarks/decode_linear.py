@@ -42,7 +42,7 @@ import sys
 import torch
 
 from scratchlm.bench.results import environment, write_json
-from scratchlm.bench.timing import captured_call_seconds
+from scratchlm.bench.timing import captured_call_seconds, copy_bandwidth
 from scratchlm.kernels import decode_linear_triton
 from scratchlm.kernels.decode_attention_triton import decode_attention
 from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
@@ -55,13 +55,6 @@ SHAPES = {  # model: (d_model, q|k|v width, d_ff)
 }
 HEADS = {"gpt2": (12, 12), "llama1b": (32, 8)}  # model: (query heads, kv heads)
 LAYERS = {"gpt2": 12, "llama1b": 16}
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    seconds = captured_call_seconds(lambda: y.copy_(x), 10, 5, replays=1)
-    return 2 * x.numel() / seconds
 
 
 def _random(device, dtype):

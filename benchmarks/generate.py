@@ -44,6 +44,7 @@ import time
 import torch
 
 from scratchlm.bench.results import environment, write_json
+from scratchlm.bench.timing import copy_bandwidth
 from scratchlm.infer.generate import generate
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.hf import hf_config, to_hf_state_dict
@@ -86,23 +87,6 @@ def _time_peers(impls: dict, repeats: int, skip, count_tokens, label: str) -> di
         print(f"{name}{label}: {tokens / seconds:.0f} tokens/s, {tokens} tokens "
               f"({time.perf_counter() - t0:.0f} s with warm-up)", flush=True)
     return results
-
-
-def copy_bandwidth() -> float:
-    """Device memory bandwidth in bytes/s: a 4 GiB device-to-device copy (read + write)."""
-    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / 10
-    del src, dst
-    return 2 * 2**30 * 4 / seconds
 
 
 def weight_bytes(model) -> int:

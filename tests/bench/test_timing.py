@@ -35,3 +35,11 @@ def test_back_to_back_is_the_median_run_per_step():
 def test_rejects_empty_runs(fn):
     with pytest.raises(ValueError):
         fn(lambda: None, 0, 1, device="cpu")
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_is_a_plausible_device_bandwidth():
+    from scratchlm.bench.timing import copy_bandwidth
+
+    bandwidth = copy_bandwidth(gib=1, repeats=3)
+    assert 1e11 < bandwidth < 2e13  # 0.1 to 20 TB/s: any current GPU's HBM or GDDR

@@ -15,7 +15,7 @@ import torch
 
 from scratchlm.bench.harness import timing_device
 
-__all__ = ["back_to_back", "captured_call_seconds", "timed_windows"]
+__all__ = ["back_to_back", "captured_call_seconds", "copy_bandwidth", "timed_windows"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -83,3 +83,21 @@ def captured_call_seconds(fn: Callable[[], Any], calls: int, repeats: int = 3, *
         for _ in range(calls):
             fn()
     return back_to_back(graph.replay, steps=replays, repeats=repeats) / calls
+
+
+def copy_bandwidth(gib: int = 1, repeats: int = 10) -> float:
+    """The CUDA device's memory bandwidth in bytes/s, as a device-to-device copy of `gib` GiB
+    reaches it (read and write both counted): the denominator of the decode benchmarks'
+    "share of the bandwidth limit". Timed with events over `repeats` copies after 3 warm-ups."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    return 2 * src.numel() / seconds
