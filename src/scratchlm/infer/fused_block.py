@@ -80,10 +80,13 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
     rope_in_kernel = view.cache.fused_blocks != "projections"
     # the split decode attention's partial results combined by the output projection's kernel
     combine_in_projection = rope_in_kernel and view.cache.decode_attention == "triton"
-    pdl = view.cache.pdl  # each kernel may start while the one before finishes (weights loaded meanwhile)
 
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
+        # each kernel may start while the one before finishes, its first weights loaded meanwhile:
+        # at one row only (on an H100 a 16-layer 1B-shape step took 0.94x the time with it at one
+        # row, 1.27x at four: docs/benchmarks/decode_linear.md)
+        pdl = view.cache.pdl and b * t == 1
         h = x.reshape(b * t, d)
         if rope is not None and rope_in_kernel:  # RoPE and the cache write inside the q|k|v kernel
             k_buf, v_buf = view.cache.buffers(attn.layer_idx, w_qkv)

@@ -37,7 +37,7 @@ from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
-__all__ = ["attention_partials", "decode_attention", "decode_attention_reference", "runs_on_triton"]
+__all__ = ["attention_output", "attention_partials", "attention_splits", "decode_attention", "decode_attention_reference", "runs_on_triton"]
 
 BLOCK_N = 64  # keys a tile
 
@@ -181,8 +181,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     block_d = triton.next_power_of_2(d)
     Hkv = k.shape[1]
     group = H // Hkv
-    # b·H programs before splitting: one per (row, query head)
-    splits = splits_for(b, H, L if window <= 0 else min(L, window))
+    splits = attention_splits(q, k, window)
     # the splits' partial results (unused, one element each, where the kernel writes out itself)
     keep = splits > 1 or partials
     parts = b * H * splits if keep else 1
@@ -204,6 +203,21 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
             wrap_triton(_combine_splits)[combine_grid](m, lsum, acc, out, H, out.stride(0), out.stride(1),
                                                        HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits, num_warps=1)
     return out, m, lsum, acc, splits
+
+
+def attention_splits(q: torch.Tensor, k: torch.Tensor, window: int) -> int:
+    """How many splits the kernel runs for q (b, H, 1, d) over k (b, Hkv, L, d) (`splits_for` of
+    its b·H programs, one per row and query head, and the keys a row may read)."""
+    L = k.shape[2]
+    return splits_for(q.shape[0], q.shape[1], L if window <= 0 else min(L, window))
+
+
+def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
+                     pdl: bool = False) -> torch.Tensor:
+    """The kernel's combined output (b, H, 1, d) in k's dtype, as `decode_attention` returns it,
+    launched with `pdl` as `_launch` does. Needs `runs_on_triton`."""
+    _check(q, k, v, pos)
+    return _launch(q, k, v, pos, window, partials=False, pdl=pdl)[0]
 
 
 def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

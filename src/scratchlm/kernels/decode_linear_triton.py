@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from scratchlm.kernels.decode_attention_triton import attention_partials, decode_attention_reference, runs_on_triton
+from scratchlm.kernels.decode_attention_triton import (attention_output, attention_partials, attention_splits,
+                                                       decode_attention_reference, runs_on_triton)
 from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import pdl_launch_options
@@ -400,6 +401,12 @@ def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
+    if b > 1 and attention_splits(q, k, window) > 1:
+        # Each program of the projection combines every row's splits of every head again, in
+        # registers: at 4 rows of GPT-2-small shapes (8 splits) the layer took 538 us against 23
+        # at one row on an H100 (docs/benchmarks/decode_linear.md). The attention combines itself.
+        a = attention_output(q, k, v, pos, window, pdl=pdl).reshape(b, H * d)
+        return _launch(a, a.stride(0), b, H * d, w, None, residual, 0.0, False, pdl)
     m, lsum, acc, splits = attention_partials(q, k, v, pos, window, pdl=pdl)
     return _launch(q, 0, b, H * d, w, None, residual, 0.0, False, pdl, parts=(m, lsum, acc, splits, H, d))
 
