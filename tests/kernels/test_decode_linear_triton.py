@@ -209,6 +209,18 @@ def test_decode_attention_linear_on_cuda():
     _check_attention_linear("cuda", torch.float32, 1e-3)
 
 
+def test_the_projection_combines_the_attention_splits_only_at_one_row_or_one_split():
+    from scratchlm.kernels.decode_linear_triton import combines_in_projection
+
+    def shapes(b, H, keys):
+        return torch.empty(b, H, 1, 64, device="meta"), torch.empty(b, H, keys, 64, device="meta")
+
+    assert combines_in_projection(*shapes(1, 12, 320), 0)  # one row, eight splits
+    assert not combines_in_projection(*shapes(4, 12, 320), 0)  # GPT-2-small at four rows: split
+    assert combines_in_projection(*shapes(4, 32, 320), 0)  # 128 programs: no split
+    assert combines_in_projection(*shapes(2, 32, 320), 0) is False  # 64 programs: split
+
+
 def test_decode_attention_linear_refuses_a_projection_of_another_width():
     from scratchlm.kernels.decode_linear_triton import decode_attention_linear
     from tests.kernels.test_decode_attention_triton import _case

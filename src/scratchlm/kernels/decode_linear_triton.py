@@ -46,7 +46,7 @@ from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton
 
-__all__ = ["MAX_ROWS", "decode_attention_linear", "decode_attention_linear_reference", "decode_linear",
+__all__ = ["MAX_ROWS", "combines_in_projection", "decode_attention_linear", "decode_attention_linear_reference", "decode_linear",
            "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
 
 MAX_ROWS = 8  # rows a program multiplies at once: the kernel is for decode steps of small batches
@@ -390,6 +390,15 @@ def decode_attention_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     return decode_linear_reference(a, w, None, residual)
 
 
+def combines_in_projection(q: torch.Tensor, k: torch.Tensor, window: int) -> bool:
+    """Whether `decode_attention_linear` combines the attention's splits inside the projection's
+    kernel: at one row, or where the attention does not split. Every program of the projection
+    combines every row's splits of every head again, in registers: at four rows of GPT-2-small
+    shapes (eight splits) a layer took 538 us against 23 at one row on an H100
+    (docs/benchmarks/decode_linear.md). Elsewhere the attention combines its own splits first."""
+    return q.shape[0] == 1 or attention_splits(q, k, window) == 1
+
+
 def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
                                   w: torch.Tensor, residual: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     b, H, _, d = q.shape
@@ -401,10 +410,7 @@ def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
-    if b > 1 and attention_splits(q, k, window) > 1:
-        # Each program of the projection combines every row's splits of every head again, in
-        # registers: at 4 rows of GPT-2-small shapes (8 splits) the layer took 538 us against 23
-        # at one row on an H100 (docs/benchmarks/decode_linear.md). The attention combines itself.
+    if not combines_in_projection(q, k, window):  # the attention combines its own splits
         a = attention_output(q, k, v, pos, window, pdl=pdl).reshape(b, H * d)
         return _launch(a, a.stride(0), b, H * d, w, None, residual, 0.0, False, pdl)
     m, lsum, acc, splits = attention_partials(q, k, v, pos, window, pdl=pdl)
