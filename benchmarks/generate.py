@@ -21,6 +21,8 @@ embeddings). Two workloads:
   tokens/s, and the share of the memory-bandwidth limit: one token needs every weight the
   step reads (all but the input embedding, unless tied) once, so the limit is
   bandwidth / weight bytes tokens/s; bandwidth is measured (device-to-device copy).
+  `--greedy-batch N` runs it with N prompts of the same length instead (tokens/s counts every
+  row's tokens; `ms_per_token` is then a step's, and the limit's share is of steps a second).
 - rollouts: --rollout-batch prompts of 32-256 tokens, sampled at temperature 1 with a set of
   stop ids sized so that rows stop after ~--rollout-mean tokens on average, at most
   --rollout-max new tokens (each row stops on its own: ragged rollouts). tokens/s counts the
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = ["b1", "b1_gemv", "b1_fused", "b1_fused_pdl", "b1_fused_projections", "b64"]
     p.add_argument("--profile-steps", nargs="*", default=steps, choices=steps, help="which steps --profile profiles")
     p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
+    p.add_argument("--greedy-batch", type=int, default=1,
+                   help="rows of the greedy workload (default 1; 2-8 time the fused blocks' several-row kernels)")
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -256,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.out, {**environment(), "transformers": transformers.__version__,
                                   "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": wbytes,
                                   "rows": rows})
-    prompt = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()]
+    B1 = args.greedy_batch
+    if B1 < 1:
+        raise SystemExit(f"--greedy-batch must be >= 1, got {B1}")
+    prompt = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(B1)]
     n = args.new_tokens
     impls = {
         "hf_generate_dynamic": lambda: _hf_generate(hf, prompt, n),
@@ -294,15 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
     }
-    results = {} if args.no_batch1 else _time_peers(impls, args.repeats, args.skip, lambda out: n, "")
+    results = {} if args.no_batch1 else _time_peers(impls, args.repeats, args.skip, lambda out: n * B1,
+                                                    "" if B1 == 1 else f" x{B1}")
     ref = results.get("hf_generate_dynamic")
     static = results.get("hf_generate_static_compile")
     for name, (seconds, out) in results.items():
-        tps = n / seconds
+        steps_per_s = n / seconds  # B1 tokens a step: the weights are read once a step
         rows.append({
-            "model": args.model, "workload": "batch1_greedy", "impl": name, "batch": 1, "prompt_len": args.prompt_len,
-            "new_tokens": n, "seconds": seconds, "tokens_per_s": tps, "ms_per_token": 1e3 * seconds / n,
-            "bandwidth_limit_share": tps / limit,
+            "model": args.model, "workload": f"batch{B1}_greedy", "impl": name, "batch": B1,
+            "prompt_len": args.prompt_len, "new_tokens": n, "seconds": seconds, "tokens_per_s": B1 * steps_per_s,
+            "ms_per_token": 1e3 * seconds / n, "bandwidth_limit_share": steps_per_s / limit,
             "vs_hf_dynamic": ref[0] / seconds if ref else None,
             "vs_hf_static_compile": static[0] / seconds if static else None,
             "agree_with_hf": _agreement(out, ref[1]) if ref else None,
