@@ -80,6 +80,14 @@ def test_fused_blocks_reach_the_engine_and_keep_the_completions(ckpt, capsys, mo
     assert "note: --fused-blocks has no effect here (it needs a CUDA device)" in captured.err
 
 
+def test_pdl_is_refused_in_one_line_where_it_cannot_run(ckpt):
+    base = [str(ckpt), "--prompt", "xyz", "--max-new-tokens", "2", "--device", "cpu"]
+    with pytest.raises(UserError, match="--pdl needs --compile and --fused-blocks"):
+        generate_command(base + ["--pdl", "--fused-blocks"])
+    with pytest.raises(UserError, match=r"--pdl needs a CUDA GPU of compute capability 9 or more .* on cpu"):
+        generate_command(base + ["--pdl", "--fused-blocks", "--compile"])
+
+
 def test_generate_command_errors(ckpt):
     with pytest.raises(UserError, match="top-p"):
         generate_command([str(ckpt), "--top-p", "0"])

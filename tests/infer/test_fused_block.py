@@ -101,6 +101,10 @@ def test_the_engine_refuses_pdl_where_it_cannot_launch_with_it():
     for fused in (False, True):
         with pytest.raises(ValueError, match="pdl=True needs fused_blocks and a CUDA device"):
             DecodeEngine(model, 2, 32, fused_blocks=fused, pdl=True)
+    from scratchlm.infer.generate import generate
+
+    with pytest.raises(ValueError, match="pdl=True needs fused_blocks and a CUDA device"):  # generate passes it on
+        generate(model, [[1, 2, 3]], 4, temperature=0, fused_blocks=True, pdl=True)
 
 
 def test_the_engine_refuses_an_unknown_fused_blocks_value():

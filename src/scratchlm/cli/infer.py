@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-blocks", action="store_true",
                    help="run each block's norms, SwiGLU gate and residual adds inside its matmul kernels at up to "
                         "8 prompts (GPU, Triton; docs/benchmarks/generate.md)")
+    p.add_argument("--pdl", action="store_true",
+                   help="with --compile and --fused-blocks, launch a one-prompt step's kernels with programmatic "
+                        "dependent launch (Hopper GPUs or later; 1.07x on an H100, docs/benchmarks/generate.md)")
     p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     p.add_argument("--dtype", type=_dtype_arg, default="auto",
                    help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
@@ -61,6 +64,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.pdl and not (args.compile and args.fused_blocks):
+        raise UserError("--pdl needs --compile and --fused-blocks")
 
 
 def check_tokenizer_fits(tokenizer, vocab_size: int, source: str) -> None:
@@ -92,6 +97,17 @@ def _note_if_blocks_unfused(args, device, n_prompts: int) -> None:
            else f"it takes at most {MAX_ROWS} prompts at once, not {n_prompts}" if n_prompts > MAX_ROWS else None)
     if why is not None:
         print(f"note: --fused-blocks has no effect here ({why}); the blocks run module by module", file=sys.stderr)
+
+
+def _check_pdl(device) -> None:
+    """--pdl where the kernels cannot be launched with it: a one-line error (the engine would refuse)."""
+    import torch
+
+    from scratchlm.kernels.triton_support import pdl_supported
+
+    if device.type != "cuda" or not pdl_supported(torch.empty(0, device=device)):
+        raise UserError(f"--pdl needs a CUDA GPU of compute capability 9 or more (Hopper or later) and a Triton "
+                        f"with grid dependency control; this run is on {device}")
 
 
 def generate_command(argv: list[str]) -> int:
@@ -132,6 +148,8 @@ def generate_command(argv: list[str]) -> int:
     _warn_if_context_cuts(prompts, args, cfg.context_length)
     if args.fused_blocks:
         _note_if_blocks_unfused(args, device, len(prompts))
+    if args.pdl:
+        _check_pdl(device)
 
     start = time.perf_counter()
     outs = generate(
@@ -146,6 +164,7 @@ def generate_command(argv: list[str]) -> int:
         seed=args.seed,
         compile=args.compile,
         fused_blocks=args.fused_blocks,
+        pdl=args.pdl,
     )
     seconds = time.perf_counter() - start
     total = sum(len(o) for o in outs)

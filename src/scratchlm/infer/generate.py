@@ -66,6 +66,7 @@ def generate(
     compile: bool = False,
     max_batch: int = 256,
     fused_blocks: bool | str = False,
+    pdl: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens of each.
 
@@ -80,6 +81,8 @@ def generate(
     fused_blocks: the engine's decode steps of up to 8 rows run each block's norms, SwiGLU gate
     and residual adds inside its matmul kernels, and RoPE, the cache write and the attention's
     combine too (`DecodeEngine(fused_blocks=True)`; CUDA; "projections": the matmuls' part only).
+    pdl: one-row fused steps launch their kernels with programmatic dependent launch (needs
+    `compile`, `fused_blocks` and a Hopper or later GPU: `DecodeEngine(pdl=True)`).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -104,7 +107,7 @@ def generate(
             if kv_cache != "static":
                 raise ValueError(f"kv_cache must be 'static' or 'dynamic', got {kv_cache!r}")
             return _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch,
-                                  fused_blocks)
+                                  fused_blocks, pdl)
     finally:
         model.train(was_training)
 
@@ -151,7 +154,7 @@ def release_engines(model: nn.Module | None = None) -> None:
 
 
 def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greedy: bool = False,
-                max_slots: int | None = None, fused_blocks: bool | str = False) -> DecodeEngine:
+                max_slots: int | None = None, fused_blocks: bool | str = False, pdl: bool = False) -> DecodeEngine:
     """The engine kept for `model` when it fits the call, else a new one of `slots` rows.
 
     A sampled call needs an engine of exactly `slots` rows: which rows share a step decides
@@ -164,7 +167,7 @@ def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greed
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and device.type in ("cuda", "cpu")
     mode = (compile, autocast, torch.get_autocast_dtype(device.type) if autocast else None,
-            next(model.parameters()).dtype, fused_blocks)
+            next(model.parameters()).dtype, fused_blocks, pdl)
     max_len = min(model.context_length, -(-need // _LEN_STEP) * _LEN_STEP)
     held = _ENGINES.get(model)
     if held is not None and held[0] == mode and held[1].max_len >= need:
@@ -172,20 +175,21 @@ def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greed
         if kept == slots or (greedy and 2 * kept >= slots and kept <= (max_slots or slots)):
             return held[1]
     _ENGINES.pop(model, None)  # free the old cache before allocating the new one
-    engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_BUCKET, fused_blocks=fused_blocks)
+    engine = DecodeEngine(model, slots, max_len, compile=compile, len_bucket=_LEN_BUCKET, fused_blocks=fused_blocks,
+                          pdl=pdl)
     _ENGINES[model] = (mode, engine)
     return engine
 
 
 def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch,
-                   fused_blocks=False) -> list[list[int]]:
+                   fused_blocks=False, pdl=False) -> list[list[int]]:
     budgets = _check_room(model, prompts, max_new_tokens)
     if max(budgets) <= 0:
         return [[] for _ in prompts]
     need = max(len(p) + g for p, g in zip(prompts, budgets))
     temperature, top_k, top_p, generator = sampling
     engine = _engine_for(model, min(len(prompts), max_batch), need, compile, greedy=temperature == 0,
-                         max_slots=max_batch, fused_blocks=fused_blocks)
+                         max_slots=max_batch, fused_blocks=fused_blocks, pdl=pdl)
     return engine.run(prompts, budgets, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
                       generator=generator)
 
