@@ -48,6 +48,7 @@ from scratchlm.kernels.decode_attention_triton import decode_attention
 from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
                                                    decode_qkv)
 from scratchlm.kernels.triton_support import pdl_supported
+from scratchlm.model.rope import rope_angles
 
 SHAPES = {  # model: (d_model, q|k|v width, d_ff)
     "gpt2": (768, 3 * 768, 2048),
@@ -131,8 +132,7 @@ def layer_stack(model: str, rows: int, keys: int, layers: int, device="cuda"):
     H = HEADS[model][0]
     hd = d // H
     stack = [layer_weights(model, rows, keys, device) for _ in range(layers)]
-    inv_freq = 10_000.0 ** (-torch.arange(0, hd, 2, device=device) / hd)
-    angles = torch.arange(2 * keys + 1, device=device)[:, None] * inv_freq  # RoPE's (positions, d/2) tables
+    angles = rope_angles(10_000.0, hd, 2 * keys + 1, device=device)  # RoPE's (positions, d/2) tables
     cos, sin = angles.cos(), angles.sin()
     pos = torch.full((rows,), keys - 1, dtype=torch.long, device=device)
     x = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
