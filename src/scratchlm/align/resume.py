@@ -61,8 +61,8 @@ FORMAT = 1  # of state.pt, for a later change of layout to recognise
 # Settings a resumed run may change: they choose the device and the kernels, what is shown or
 # logged, the evaluations and when the policy and the state are saved, none of the training stream.
 MAY_CHANGE = frozenset({
-    "run.progress", "run.resume_every", "policy.device", "sft.compile", "grpo.compile", "grpo.max_seconds", "grpo.eval_every",
-    "dpo.eval_every", "dpo.save_every", "sft.log_every", "dpo.log_every", "data.eval_limit",
+    "run.progress", "run.resume_every", "policy.device", "sft.compile", "grpo.compile", "grpo.max_seconds",
+    "grpo.eval_every", "dpo.eval_every", "dpo.save_every", "sft.log_every", "dpo.log_every", "data.eval_limit",
     "sampling.eval_max_new_tokens",
 })
 log = logging.getLogger("scratchlm.align")

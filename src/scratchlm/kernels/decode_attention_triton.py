@@ -37,7 +37,8 @@ from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
 
-__all__ = ["attention_output", "attention_partials", "attention_splits", "decode_attention", "decode_attention_reference", "runs_on_triton"]
+__all__ = ["attention_output", "attention_partials", "attention_splits", "decode_attention",
+           "decode_attention_reference", "runs_on_triton"]
 
 BLOCK_N = 64  # keys a tile
 

@@ -46,8 +46,8 @@ from scratchlm.kernels.triton_support import pdl_launch_options
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton
 
-__all__ = ["MAX_ROWS", "combines_in_projection", "decode_attention_linear", "decode_attention_linear_reference", "decode_linear",
-           "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
+__all__ = ["MAX_ROWS", "combines_in_projection", "decode_attention_linear", "decode_attention_linear_reference",
+           "decode_linear", "decode_linear_reference", "decode_qkv", "decode_qkv_reference"]
 
 MAX_ROWS = 8  # rows a program multiplies at once: the kernel is for decode steps of small batches
 
