@@ -10,8 +10,9 @@ embeddings). Two workloads:
 
 - batch 1: greedy, a 64-token prompt, --new-tokens (256) new tokens. Peers: HF `generate`
   (dynamic cache), HF `generate` with `cache_implementation="static"` (which compiles its
-  decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile,
-  and two variants of the latter: without the stacked q|k|v and w1|w3 projections, and with
+  decoding forward), the engine with CUDA graphs, the engine with CUDA graphs + torch.compile
+  (`generate`'s default: fused blocks, and PDL on Hopper, at up to 8 rows), the same with its
+  blocks run module by module (`..._compile_unfused`), and variants of the latter: without the stacked q|k|v and w1|w3 projections, and with
   Inductor's "max-autotune-no-cudagraphs" (Triton matmul templates benchmarked against cuBLAS per
   shape, epilogues fused; a longer compilation: `--skip scratchlm_engine_graphs_compile_autotune`),
   with Inductor's `decompose_mem_bound_mm` and `coordinate_descent_tuning` (the batch-1 matmuls as
@@ -145,7 +146,10 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True
              **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
-    the attention windows of `generate`'s engines; `steps_per_replay` replaces the engine's."""
+    the attention windows of `generate`'s engines; `steps_per_replay` replaces the engine's.
+    Blocks run module by module and without PDL unless `engine_options` ask for them, so each
+    variant changes one thing from the module-by-module compiled step (`..._compile_unfused`)."""
+    engine_options = {"fused_blocks": False, "pdl": False, **engine_options}
     from scratchlm.infer.engine import DecodeEngine
     from scratchlm.infer.generate import _LEN_BUCKET
 
@@ -268,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     impls = {
         "hf_generate_dynamic": lambda: _hf_generate(hf, prompt, n),
         "scratchlm_engine_graphs": lambda: generate(model, prompt, n, temperature=0),
+        # generate's default compiled engine: fused blocks (+ PDL on Hopper) at up to 8 rows
         "scratchlm_engine_graphs_compile": lambda: generate(model, prompt, n, temperature=0, compile=True),
+        # the compiled engine with its blocks run module by module (the default before fused blocks)
+        "scratchlm_engine_graphs_compile_unfused": lambda: _variant("unfused", model, prompt, n),
         "hf_generate_static_compile": lambda: _hf_generate(hf, prompt, n, static=True),
         # the same compiled engine with q, k, v and w1, w3 as separate matmuls: what stacking gives
         "scratchlm_engine_graphs_compile_unstacked": lambda: _variant("unstacked", model, prompt, n,
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.profile and not args.no_batch1:  # before the rollouts: short, and it reuses the batch-1 compilation
         profiles = ((1, "", {}), (1, "_gemv", {"inductor_options": GEMV_OPTIONS}),
-                    (1, "_fused", {"fused_blocks": True}), (1, "_fused_pdl", {"fused_blocks": True, "pdl": True}),
+                    (1, "_fused", {"fused_blocks": True, "pdl": False}), (1, "_fused_pdl", {"fused_blocks": True, "pdl": True}),
                     (1, "_fused_projections", {"fused_blocks": "projections"}), (64, "", {}))
         for B, name, options in profiles:
             if f"b{B}{name}" not in args.profile_steps:

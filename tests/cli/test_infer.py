@@ -76,16 +76,21 @@ def test_fused_blocks_reach_the_engine_and_keep_the_completions(ckpt, capsys, mo
     generate_command(base + ["--fused-blocks"])
     captured = capsys.readouterr()
     assert captured.out.splitlines()[:2] == plain  # on the CPU the blocks run module by module
-    assert built == [False, True]
+    assert built == ["auto", True]  # the engine's default unless asked for
     assert "note: --fused-blocks has no effect here (it needs a CUDA device)" in captured.err
+    generate_command(base + ["--no-fused-blocks"])
+    assert capsys.readouterr().out.splitlines()[:2] == plain
+    assert built[-1] is False
 
 
 def test_pdl_is_refused_in_one_line_where_it_cannot_run(ckpt):
     base = [str(ckpt), "--prompt", "xyz", "--max-new-tokens", "2", "--device", "cpu"]
-    with pytest.raises(UserError, match="--pdl needs --compile and --fused-blocks"):
+    with pytest.raises(UserError, match="--pdl needs --compile"):
         generate_command(base + ["--pdl", "--fused-blocks"])
+    with pytest.raises(UserError, match="--pdl needs the fused blocks: drop --no-fused-blocks"):
+        generate_command(base + ["--pdl", "--no-fused-blocks", "--compile"])
     with pytest.raises(UserError, match=r"--pdl needs a CUDA GPU of compute capability 9 or more .* on cpu"):
-        generate_command(base + ["--pdl", "--fused-blocks", "--compile"])
+        generate_command(base + ["--pdl", "--compile"])
 
 
 def test_generate_command_errors(ckpt):

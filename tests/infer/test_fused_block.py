@@ -97,7 +97,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
 
 def test_the_engine_refuses_pdl_where_it_cannot_launch_with_it():
     model = _model()
-    assert DecodeEngine(model, 2, 32, fused_blocks=True).cache.pdl is False  # off unless asked for
+    assert DecodeEngine(model, 2, 32, fused_blocks=True).cache.pdl is False  # "auto": off without compile and CUDA
     for fused in (False, True):
         with pytest.raises(ValueError, match="pdl=True needs fused_blocks and a CUDA device"):
             DecodeEngine(model, 2, 32, fused_blocks=fused, pdl=True)
@@ -110,6 +110,24 @@ def test_the_engine_refuses_pdl_where_it_cannot_launch_with_it():
 def test_the_engine_refuses_an_unknown_fused_blocks_value():
     with pytest.raises(ValueError, match="fused_blocks must be"):
         DecodeEngine(_model(), 2, 32, fused_blocks="all")
+    with pytest.raises(ValueError, match="pdl must be True, False or 'auto'"):
+        DecodeEngine(_model(), 2, 32, pdl="on")
+
+
+def test_fused_blocks_default_to_compiled_engines_of_few_slots(monkeypatch):
+    from scratchlm.infer import engine as engine_module
+
+    param = torch.zeros(1)
+    assert not engine_module.fused_blocks_default(param, 1, True, True)  # Triton cannot run on a CPU tensor
+    monkeypatch.setattr(engine_module, "can_use_triton", lambda t: True)
+    assert engine_module.fused_blocks_default(param, 1, True, True)
+    assert engine_module.fused_blocks_default(param, MAX_ROWS, True, True)
+    assert not engine_module.fused_blocks_default(param, MAX_ROWS + 1, True, True)  # rollouts' engines
+    assert not engine_module.fused_blocks_default(param, 1, False, True)  # uncompiled
+    assert not engine_module.fused_blocks_default(param, 1, True, False)  # without CUDA graphs
+    # the engine's "auto" on the CPU: no CUDA graphs, so module by module and no PDL
+    engine = DecodeEngine(_model(), 1, 32)
+    assert engine.cache.fused_blocks is False and engine.cache.pdl is False
 
 
 @pytest.mark.parametrize("decode_attention", ["sdpa", "triton"])
@@ -182,3 +200,14 @@ def test_pdl_launches_change_nothing():
     outs = [DecodeEngine(model, 1, 64, compile=True, fused_blocks=True, pdl=pdl).run([[1, 2, 3]], [48], temperature=0)
             for pdl in (False, True)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_a_compiled_one_slot_engine_fuses_its_blocks_and_launches_with_pdl_by_default():
+    from scratchlm.kernels.triton_support import pdl_supported
+
+    model = _model().to("cuda", torch.bfloat16)
+    one = DecodeEngine(model, 1, 64, compile=True)
+    assert one.cache.fused_blocks is True and one.cache.pdl == pdl_supported(torch.empty(1, device="cuda"))
+    rollouts = DecodeEngine(model, MAX_ROWS + 1, 64, compile=True)
+    assert rollouts.cache.fused_blocks is False and rollouts.cache.pdl is False

@@ -28,12 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole window at every step")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step before its CUDA graph is captured (GPU; slower start)")
-    p.add_argument("--fused-blocks", action="store_true",
+    p.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="run each block's norms, SwiGLU gate and residual adds inside its matmul kernels at up to "
-                        "8 prompts (GPU, Triton; docs/benchmarks/generate.md)")
-    p.add_argument("--pdl", action="store_true",
-                   help="with --compile and --fused-blocks, launch a one-prompt step's kernels with programmatic "
-                        "dependent launch (Hopper GPUs or later; 1.07x on an H100, docs/benchmarks/generate.md)")
+                        "8 prompts (GPU, Triton; docs/benchmarks/generate.md). Default: on with --compile at up to "
+                        "8 prompts where Triton runs")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --compile and fused blocks, launch a one-prompt step's kernels with programmatic "
+                        "dependent launch (Hopper GPUs or later; 1.07x on an H100, docs/benchmarks/generate.md). "
+                        "Default: on where the fused blocks are and the GPU supports it")
     p.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     p.add_argument("--dtype", type=_dtype_arg, default="auto",
                    help="weights and activations: auto, bf16, fp32 or fp16 (bfloat16, float32, float16 also work); "
@@ -64,8 +66,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
-    if args.pdl and not (args.compile and args.fused_blocks):
-        raise UserError("--pdl needs --compile and --fused-blocks")
+    if args.pdl and not args.compile:
+        raise UserError("--pdl needs --compile")
+    if args.pdl and args.fused_blocks is False:
+        raise UserError("--pdl needs the fused blocks: drop --no-fused-blocks")
 
 
 def check_tokenizer_fits(tokenizer, vocab_size: int, source: str) -> None:
@@ -146,7 +150,7 @@ def generate_command(argv: list[str]) -> int:
             )
         prompts.append(ids)
     _warn_if_context_cuts(prompts, args, cfg.context_length)
-    if args.fused_blocks:
+    if args.fused_blocks or args.pdl:
         _note_if_blocks_unfused(args, device, len(prompts))
     if args.pdl:
         _check_pdl(device)
@@ -163,8 +167,9 @@ def generate_command(argv: list[str]) -> int:
         use_kv_cache=not args.no_kv_cache,
         seed=args.seed,
         compile=args.compile,
-        fused_blocks=args.fused_blocks,
-        pdl=args.pdl,
+        # --pdl launches the fused blocks' kernels, so it asks for them
+        fused_blocks="auto" if args.fused_blocks is None and not args.pdl else bool(args.fused_blocks or args.pdl),
+        pdl="auto" if args.pdl is None else args.pdl,
     )
     seconds = time.perf_counter() - start
     total = sum(len(o) for o in outs)

@@ -51,7 +51,8 @@ from scratchlm.infer.padded_head import PaddedHead
 from scratchlm.infer.sampling import chunked_argmax, sample_next
 from scratchlm.infer.stacked import StackedProjections
 from scratchlm.infer.static_cache import DecodeView, PrefillView, StaticKVCache
-from scratchlm.kernels.triton_support import pdl_supported
+from scratchlm.kernels.decode_linear_triton import MAX_ROWS
+from scratchlm.kernels.triton_support import can_use_triton, pdl_supported
 
 
 # torch.compile modes a DecodeEngine may use: none captures CUDA graphs of its own (the engine
@@ -59,9 +60,9 @@ from scratchlm.kernels.triton_support import pdl_supported
 # cuBLAS for each matmul shape (with their epilogues fused) at compile time: a longer start.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
-# `DecodeEngine(fused_blocks=...)`: off, on, or on for the projections only (RoPE, the cache
-# write and attention left to torch)
-FUSED_BLOCKS = (False, True, "projections")
+# `DecodeEngine(fused_blocks=...)`: off, on, on for the projections only (RoPE, the cache write
+# and attention left to torch), or "auto" (`fused_blocks_default`)
+FUSED_BLOCKS = (False, True, "projections", "auto")
 
 # The compiled prefill pads its prompts to a multiple of this many tokens: never a width of 1,
 # which torch.compile would specialise on, for little padding.
@@ -131,6 +132,13 @@ def _uncached_autocast(device_type: str):
         yield
 
 
+def fused_blocks_default(param: Tensor, slots: int, compile: bool, cuda_graphs: bool) -> bool:
+    """`DecodeEngine(fused_blocks="auto")`: on for a compiled engine with CUDA graphs of at most
+    MAX_ROWS slots whose weights Triton can run on, where they were measured to pay (one and four
+    rows of GPT-2-small on an H100, docs/benchmarks/generate.md)."""
+    return compile and cuda_graphs and slots <= MAX_ROWS and can_use_triton(param)
+
+
 def default_decode_attention(model: nn.Module, device: torch.device) -> str:
     """The decode attention an engine uses unless told: "triton" on CUDA for a model whose query
     heads each have their own key/value head, "sdpa" otherwise.
@@ -178,25 +186,33 @@ class DecodeEngine:
     and the cache write inside the q|k|v kernel, and (with the Triton decode attention) the
     attention's split combine inside the output projection's; `fused_blocks="projections"`
     leaves RoPE, the cache write and attention to torch (to Inductor when compiled), for
-    comparison. `pdl` launches those kernels with programmatic dependent launch
+    comparison. The default, "auto", turns them on where they were measured to pay
+    (`fused_blocks_default`): a compiled engine of at most 8 slots with CUDA graphs, where Triton
+    runs (GPT-2-small on an H100: 1.23x the compiled step's tokens/s at one row, 1.15x at four;
+    docs/benchmarks/generate.md). An engine of more slots (rollouts) leaves them off: it
+    steps at most 8 rows only in the tails of its runs, where fused steps would be compiled for
+    little time. `pdl` launches those kernels with programmatic dependent launch
     (`scratchlm.kernels.triton_support.pdl_supported`, Hopper on) in one-row steps: each starts
-    while the one before it finishes and loads its weights meanwhile (GPT-2-small, batch 1, on an
-    H100: 1.07x the compiled fused step's tokens/s). Off by default; with CUDA graphs it needs
-    `compile` (eager steps launched with PDL did not capture).
+    while the one before it finishes and loads its weights meanwhile (1.07x the compiled fused
+    step at one row). With CUDA graphs it needs `compile` (eager steps launched with PDL did not
+    capture); "auto" (the default) is on where the fused blocks are, with compile and CUDA graphs,
+    and the device supports it.
     """
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, *, compile: bool = False,
                  cuda_graphs: bool | None = None, len_bucket: int = 256, check_every: int = 16,
                  stack_projections: bool = True, pad_lm_head: bool = True,
                  compile_mode: str | None = None, inductor_options: dict | None = None,
-                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = False,
-                 pdl: bool = False) -> None:
+                 decode_attention: str = "auto", prefill_graphs: bool = True, fused_blocks: bool | str = "auto",
+                 pdl: bool | str = "auto") -> None:
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)} or None, got {compile_mode!r}")
         if decode_attention not in ("sdpa", "triton", "auto"):
             raise ValueError(f"decode_attention must be 'sdpa', 'triton' or 'auto', got {decode_attention!r}")
         if fused_blocks not in FUSED_BLOCKS:
-            raise ValueError(f"fused_blocks must be True, False or 'projections', got {fused_blocks!r}")
+            raise ValueError(f"fused_blocks must be True, False, 'projections' or 'auto', got {fused_blocks!r}")
+        if pdl not in (False, True, "auto"):
+            raise ValueError(f"pdl must be True, False or 'auto', got {pdl!r}")
         self.compile_mode = compile_mode
         self.inductor_options = dict(inductor_options or {})
         unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
@@ -214,8 +230,13 @@ class DecodeEngine:
         if decode_attention == "auto":
             decode_attention = default_decode_attention(model, self.device)
         self.cache.decode_attention = decode_attention
+        param = next(model.parameters())
+        if fused_blocks == "auto":
+            fused_blocks = fused_blocks_default(param, slots, compile, self.cuda_graphs)
         self.cache.fused_blocks = fused_blocks
-        if pdl and not (fused_blocks and pdl_supported(next(model.parameters()))):
+        if pdl == "auto":
+            pdl = bool(fused_blocks) and compile and self.cuda_graphs and pdl_supported(param)
+        if pdl and not (fused_blocks and pdl_supported(param)):
             raise ValueError("pdl=True needs fused_blocks and a CUDA device of compute capability 9 or more "
                              "with a Triton that has tl.extra.cuda.gdc_wait")
         if pdl and self.cuda_graphs and not compile:

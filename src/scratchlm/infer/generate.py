@@ -65,8 +65,8 @@ def generate(
     kv_cache: str = "static",
     compile: bool = False,
     max_batch: int = 256,
-    fused_blocks: bool | str = False,
-    pdl: bool = False,
+    fused_blocks: bool | str = "auto",
+    pdl: bool | str = "auto",
 ) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns the new tokens of each.
 
@@ -81,8 +81,10 @@ def generate(
     fused_blocks: the engine's decode steps of up to 8 rows run each block's norms, SwiGLU gate
     and residual adds inside its matmul kernels, and RoPE, the cache write and the attention's
     combine too (`DecodeEngine(fused_blocks=True)`; CUDA; "projections": the matmuls' part only).
+    "auto" (default): on for compiled calls of at most 8 rows on CUDA (`fused_blocks_default`).
     pdl: one-row fused steps launch their kernels with programmatic dependent launch (needs
-    `compile`, `fused_blocks` and a Hopper or later GPU: `DecodeEngine(pdl=True)`).
+    `compile`, `fused_blocks` and a Hopper or later GPU: `DecodeEngine(pdl=True)`); "auto"
+    (default): on wherever those hold.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -154,7 +156,8 @@ def release_engines(model: nn.Module | None = None) -> None:
 
 
 def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greedy: bool = False,
-                max_slots: int | None = None, fused_blocks: bool | str = False, pdl: bool = False) -> DecodeEngine:
+                max_slots: int | None = None, fused_blocks: bool | str = "auto",
+                pdl: bool | str = "auto") -> DecodeEngine:
     """The engine kept for `model` when it fits the call, else a new one of `slots` rows.
 
     A sampled call needs an engine of exactly `slots` rows: which rows share a step decides
@@ -182,7 +185,7 @@ def _engine_for(model: nn.Module, slots: int, need: int, compile: bool, *, greed
 
 
 def _decode_static(model, prompts, max_new_tokens, stop_ids, sampling, compile, max_batch,
-                   fused_blocks=False, pdl=False) -> list[list[int]]:
+                   fused_blocks="auto", pdl="auto") -> list[list[int]]:
     budgets = _check_room(model, prompts, max_new_tokens)
     if max(budgets) <= 0:
         return [[] for _ in prompts]
