@@ -143,10 +143,11 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
 def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, steps_per_replay=None,
-             **engine_options):
+             fused_head=True, **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
-    the attention windows of `generate`'s engines; `steps_per_replay` replaces the engine's.
+    the attention windows of `generate`'s engines; `steps_per_replay` and `fused_head` replace the
+    engine's.
     Blocks run module by module and without PDL unless `engine_options` ask for them, so each
     variant changes one thing from the module-by-module compiled step (`..._compile_unfused`)."""
     engine_options = {"fused_blocks": False, "pdl": False, **engine_options}
@@ -159,6 +160,7 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True
                                           **engine_options))
         if steps_per_replay is not None:
             _KEPT[name][1].steps_per_replay = steps_per_replay
+        _KEPT[name][1].fused_head = fused_head
     engine = _KEPT[name][1]
     with torch.inference_mode():
         if not stop_ids:
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         # Inductor's own kernels (embedding, final norm, argmax, bookkeeping) launched with PDL too
         "scratchlm_engine_graphs_compile_fused_pdl": lambda: _variant("fused_pdl", model, prompt, n,
                                                                       fused_blocks=True, pdl=True),
+        # the fused step ending in the module's head and `chunked_argmax` instead of the fused head
+        "scratchlm_engine_graphs_compile_fused_pdl_module_head": lambda: _variant(
+            "fused_pdl_module_head", model, prompt, n, fused_blocks=True, pdl=True, fused_head=False),
         "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
             "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
         "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(

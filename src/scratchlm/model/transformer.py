@@ -280,12 +280,14 @@ class TransformerLM(nn.Module):
         kv_cache: Any = None,
         *,
         attention_mask: Tensor | None = None,
+        final_norm: bool = True,
     ) -> Tensor:
         """The final normalised residual stream, (B, T, d_model): what lm_head is applied to.
 
         token_ids: (B, T) int. token_positions: (T,) or (B, T); defaults to 0 .. T-1, or with
         a `kv_cache` to the positions after those already cached. attention_mask: (B, T)
-        bool, True at real tokens (left padding), for uncached calls only.
+        bool, True at real tokens (left padding), for uncached calls only. final_norm=False
+        returns the residual stream before ln_final (for a head that applies the norm itself).
         """
         T = token_ids.shape[-1]
         if kv_cache is None and T > self.context_length:
@@ -306,10 +308,10 @@ class TransformerLM(nn.Module):
         if runner is not None and kv_cache is None and attention_mask is None and token_positions is None:
             for layer in self.layers:
                 x = runner(layer, x)
-            return self.ln_final(x)
+            return self.ln_final(x) if final_norm else x
         for layer in self.layers:
             x = layer(x, token_positions, kv_cache, attention_mask=attention_mask)
-        return self.ln_final(x)
+        return self.ln_final(x) if final_norm else x
 
     def head_inputs(self, token_ids: Tensor, token_positions: Tensor | None = None, kv_cache: Any = None,
                     *, attention_mask: Tensor | None = None) -> Tensor:
