@@ -143,7 +143,7 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
 def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, steps_per_replay=None,
-             fused_head=True, **engine_options):
+             fused_head=False, **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
     the attention windows of `generate`'s engines; `steps_per_replay` and `fused_head` replace the
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         # Inductor's own kernels (embedding, final norm, argmax, bookkeeping) launched with PDL too
         "scratchlm_engine_graphs_compile_fused_pdl": lambda: _variant("fused_pdl", model, prompt, n,
                                                                       fused_blocks=True, pdl=True),
-        # the fused step ending in the module's head and `chunked_argmax` instead of the fused head
-        "scratchlm_engine_graphs_compile_fused_pdl_module_head": lambda: _variant(
-            "fused_pdl_module_head", model, prompt, n, fused_blocks=True, pdl=True, fused_head=False),
+        # the fused step ending in the fused head (`DecodeEngine.fused_head`, scratchlm.infer.fused_head)
+        "scratchlm_engine_graphs_compile_fused_pdl_fused_head": lambda: _variant(
+            "fused_pdl_fused_head", model, prompt, n, fused_blocks=True, pdl=True, fused_head=True),
         "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
             "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
         "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(

@@ -74,3 +74,9 @@ def test_heads_the_fused_head_would_not_reproduce_stay_with_the_module():
     assert head_spec(half, None) is not None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights a bf16 matmul would cast
         assert head_spec(_model(), None) is None
+
+
+def test_the_fused_head_is_off_unless_asked_for():
+    # slower than the compiled module head on an H100 at GPT-2-small's shape (decode_linear.md)
+    engine = DecodeEngine(_model(), 1, 32, fused_blocks=True)
+    assert engine.fused_head is False

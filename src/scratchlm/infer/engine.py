@@ -252,9 +252,10 @@ class DecodeEngine:
         if self.head is not None:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
-        # with the fused blocks, greedy compiled steps end in `scratchlm.infer.fused_head` where
-        # it reproduces the model's head (False: the module's head and `chunked_argmax`)
-        self.fused_head = True
+        # True: with the fused blocks, steps end in `scratchlm.infer.fused_head` where it reproduces
+        # the model's head. Off: on an H100 its kernels took 40.3 us against 34.7 for the compiled
+        # head + `chunked_argmax` at GPT-2-small's shape (docs/benchmarks/decode_linear.md)
+        self.fused_head = False
         self._forward = self._decode_eager  # the step's (logits, argmax or None)
         self._advance = self._record  # the bookkeeping after a step
         self._prefill_forward = self._prefill_logits
@@ -310,9 +311,9 @@ class DecodeEngine:
     def _decode_next(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, Tensor]:
         """The step's logits (b, V) and their argmax (b,) for rows of `lens` cached tokens:
         compiled, the argmax is two fused reductions (`chunked_argmax`) instead of eager kernels
-        after the graph's matmuls (unused by a sampled step). With the fused blocks, the final
-        norm, the head and the argmax are `scratchlm.infer.fused_head`'s two kernels where they
-        reproduce the model's head."""
+        after the graph's matmuls (unused by a sampled step). With the fused blocks and
+        `fused_head`, the final norm, the head and the argmax are `scratchlm.infer.fused_head`'s
+        two kernels where they reproduce the model's head."""
         pos = self._positions(lens)
         spec = head_spec(self.model, self.head) if self.cache.fused_blocks and self.fused_head else None
         if spec is not None:  # the final norm, the head and the argmax in two kernels
