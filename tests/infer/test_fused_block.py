@@ -118,7 +118,8 @@ def test_fused_blocks_default_to_compiled_engines_of_few_slots(monkeypatch):
     from scratchlm.infer import engine as engine_module
 
     param = torch.zeros(1)
-    assert not engine_module.fused_blocks_default(param, 1, True, True)  # Triton cannot run on a CPU tensor
+    monkeypatch.setattr(engine_module, "can_use_triton", lambda t: False)
+    assert not engine_module.fused_blocks_default(param, 1, True, True)  # where Triton cannot run
     monkeypatch.setattr(engine_module, "can_use_triton", lambda t: True)
     assert engine_module.fused_blocks_default(param, 1, True, True)
     assert engine_module.fused_blocks_default(param, MAX_ROWS, True, True)
