@@ -21,19 +21,14 @@ the model's plain `Linear` in the dtype the matmul runs in.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from scratchlm.infer.padded_head import PaddedHead
 from scratchlm.kernels.decode_head_triton import decode_head
+from scratchlm.model.functional import compute_dtype
 from scratchlm.model.layers import Linear, RMSNorm, hooked
 
 __all__ = ["fused_logits", "head_spec"]
-
-
-def _matmul_dtype(weight: Tensor) -> torch.dtype:
-    device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
 def head_spec(model: nn.Module, padded: PaddedHead | None) -> tuple[Tensor, int, RMSNorm] | None:
@@ -45,7 +40,7 @@ def head_spec(model: nn.Module, padded: PaddedHead | None) -> tuple[Tensor, int,
         return None
     if padded is not None and padded.weight is not None:
         return (padded.weight, padded.vocab, norm) if padded.cap is None else None
-    if type(head) is not Linear or hooked(head) or head.weight.dtype != _matmul_dtype(head.weight):
+    if type(head) is not Linear or hooked(head) or head.weight.dtype != compute_dtype(head.weight):
         return None
     return head.weight, head.weight.shape[0], norm
 

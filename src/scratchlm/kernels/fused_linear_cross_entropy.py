@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from scratchlm.model.functional import compute_dtype
+
 __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference", "FusedLinearCrossEntropy"]
 
 # Elements of one chunk of logits. The eager chunk math holds float32 copies of a chunk, so it
@@ -62,12 +64,6 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, g: torch.Tensor, h: torch
 
 
 _addmm_out_dtype = True
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.get_autocast_dtype(t.device.type)
-    return t.dtype
 
 
 # The chunk functions take targets in [0, V) on every row (an ignored row's target replaced by
@@ -153,7 +149,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         # hidden: (N, d), weight: (V, d), targets: (N,) int64
         n, d = hidden.shape
         vocab = weight.shape[0]
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         need_grad = compute_grad and (hidden.requires_grad or weight.requires_grad)
         chunk = chunk_size or _default_chunk_size(n, vocab, single_pass=need_grad and _single_pass_chunks(hidden))
         valid = targets != ignore_index

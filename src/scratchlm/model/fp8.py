@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from scratchlm.model.functional import compute_dtype
 from scratchlm.model.layers import Linear
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -79,7 +80,7 @@ def float8_linear(x: Tensor, weight: Tensor) -> Tensor:
     if not fp8_shapes_ok(x2.shape[0], K, N):
         return x @ weight.t()
     dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    out_dtype = compute_dtype(x)
     with torch.autocast(dev, enabled=False):
         y = _Float8Matmul.apply(x2, weight, out_dtype)
     return y.reshape(*lead, N)

@@ -107,3 +107,10 @@ def causal_mask(T_q: int, T_k: int | None = None, *, device: torch.device | str 
     q_pos = torch.arange(T_k - T_q, T_k, device=device).unsqueeze(-1)  # (Tq, 1)
     k_pos = torch.arange(T_k, device=device).unsqueeze(0)  # (1, Tk)
     return k_pos <= q_pos
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a matmul with `t` runs in: the autocast dtype under autocast on t's device,
+    else t's own."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
