@@ -317,8 +317,8 @@ class DecodeEngine:
         pos = self._positions(lens)
         spec = head_spec(self.model, self.head) if self.cache.fused_blocks and self.fused_head else None
         if spec is not None:  # the final norm, the head and the argmax in two kernels
-            pdl = self.cache.pdl and tokens.shape[0] == 1
-            return fused_logits(self.model, spec, tokens, pos, DecodeView(self.cache, pos, L), pdl)
+            view = DecodeView(self.cache, pos, L)
+            return fused_logits(self.model, spec, tokens, pos, view, self.cache.pdl_for(tokens.shape[0]))
         logits = self._decode_logits(tokens, pos, L)
         return logits, chunked_argmax(logits)
 

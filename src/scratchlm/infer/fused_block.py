@@ -83,10 +83,8 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
 
     def step(x: Tensor, token_positions: Tensor | None) -> Tensor:
         b, t, d = x.shape
-        # each kernel may start while the one before finishes, its first weights loaded meanwhile:
-        # at one row only (on an H100 a 16-layer 1B-shape step took 0.94x the time with it at one
-        # row, 1.27x at four: docs/benchmarks/decode_linear.md)
-        pdl = view.cache.pdl and b * t == 1
+        # each kernel may start while the one before finishes, its first weights loaded meanwhile
+        pdl = view.cache.pdl_for(b * t)
         h = x.reshape(b * t, d)
         if rope is not None and rope_in_kernel:  # RoPE and the cache write inside the q|k|v kernel
             k_buf, v_buf = view.cache.buffers(attn.layer_idx, w_qkv)

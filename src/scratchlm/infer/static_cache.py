@@ -96,6 +96,12 @@ class StaticKVCache:
         # whether the fused blocks' kernels launch with programmatic dependent launch (the engine's `pdl`)
         self.pdl = False
 
+    def pdl_for(self, rows: int) -> bool:
+        """Whether a fused step of `rows` rows launches its kernels with PDL: with the engine's
+        `pdl`, at one row only (on an H100 a 16-layer 1B-shape step took 0.94x the time with it at
+        one row, 1.27x at four: docs/benchmarks/decode_linear.md)."""
+        return self.pdl and rows == 1
+
     def stacked(self, layer_idx: int, kind: str) -> tuple[Tensor, Tensor | None] | None:
         """Layer `layer_idx`'s stacked weights of `kind` ("qkv" or "w13"), or None."""
         return None if self.projections is None else self.projections.get(layer_idx, kind)
