@@ -237,60 +237,54 @@ def time_head(model: str, rows: int, calls: int, repeats: int, bandwidth: float,
     return out
 
 
+def fastest_tiles(module, rule: str, block_m: int, inputs: int, block_ns, call, calls: int,
+                  repeats: int) -> tuple[tuple[float, int, int, int], float]:
+    """((seconds, BLOCK_N, BLOCK_K, num_warps) of the fastest tiles, the rule's own seconds) of
+    `call`, with `module.<rule>` (the kernel's tile choice) returning each candidate in turn:
+    BLOCK_N in `block_ns`, BLOCK_K in 128..2048, num_warps in 2..8, at most 16,384 product terms
+    a program, BLOCK_K at most twice `inputs`."""
+    chosen = getattr(module, rule)
+    timings = []
+    try:
+        for bn, bk, nw in itertools.product(block_ns, (128, 256, 512, 1024, 2048), (2, 4, 8)):
+            if block_m * bn * bk > 16384 or (bk > 128 and bk > 2 * inputs):
+                continue
+            setattr(module, rule, lambda *a, t=(block_m, bn, bk, nw): t)
+            timings.append((captured_call_seconds(call, calls, repeats, replays=1), bn, bk, nw))
+    finally:
+        setattr(module, rule, chosen)
+    return min(timings), captured_call_seconds(call, calls, repeats, replays=1)
+
+
 def sweep_head(models, row_counts, calls: int, repeats: int) -> list[dict]:
     """The fastest tiles of `decode_head` per model and row count (see the module docstring)."""
-    chosen = decode_head_triton.head_blocks_for
     out = []
-    try:
-        for model in models:
-            for rows in row_counts:
-                x, w, vocab = head_operands(model, rows)
-                block_m = 1 << (rows - 1).bit_length()
-                timings = []
-                for bn, bk, nw in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024, 2048), (2, 4, 8)):
-                    if block_m * bn * bk > 16384 or (bk > 128 and bk > 2 * x.shape[1]):
-                        continue
-                    decode_head_triton.head_blocks_for = lambda *a, t=(block_m, bn, bk, nw): t
-                    seconds = captured_call_seconds(lambda: decode_head(x, w, vocab), calls, repeats, replays=1)
-                    timings.append((seconds, bn, bk, nw))
-                seconds, bn, bk, nw = min(timings)
-                decode_head_triton.head_blocks_for = chosen
-                default = captured_call_seconds(lambda: decode_head(x, w, vocab), calls, repeats, replays=1)
-                out.append({"model": model, "projection": "head_argmax", "rows": rows, "best_us": seconds * 1e6,
-                            "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "head_blocks_for_us": default * 1e6})
-                print(f"{model:8s} head+argmax    rows {rows}  best {seconds * 1e6:6.2f} us "
-                      f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  head_blocks_for's {default * 1e6:6.2f} us",
-                      flush=True)
-    finally:
-        decode_head_triton.head_blocks_for = chosen
+    for model in models:
+        for rows in row_counts:
+            x, w, vocab = head_operands(model, rows)
+            (seconds, bn, bk, nw), default = fastest_tiles(
+                decode_head_triton, "head_blocks_for", 1 << (rows - 1).bit_length(), x.shape[1], (4, 8, 16, 32),
+                lambda: decode_head(x, w, vocab), calls, repeats)
+            out.append({"model": model, "projection": "head_argmax", "rows": rows, "best_us": seconds * 1e6,
+                        "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "head_blocks_for_us": default * 1e6})
+            print(f"{model:8s} head+argmax    rows {rows}  best {seconds * 1e6:6.2f} us "
+                  f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  head_blocks_for's {default * 1e6:6.2f} us", flush=True)
     return out
 
 
 def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
     """The fastest tiles of `decode_linear` per projection and row count (see the module docstring)."""
-    chosen = decode_linear_triton.blocks_for
     out = []
-    try:
-        for model in models:
-            for rows in row_counts:
-                block_m = 1 << (rows - 1).bit_length()
-                for name, (kw, _) in projections(model, rows).items():
-                    timings = []
-                    for bn, bk, nw in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8)):
-                        if block_m * bn * bk > 16384 or (bk > 128 and bk > 2 * kw["x"].shape[1]):
-                            continue
-                        decode_linear_triton.blocks_for = lambda *a, t=(block_m, bn, bk, nw): t
-                        seconds = captured_call_seconds(lambda kw=kw: decode_linear(**kw), calls, repeats, replays=1)
-                        timings.append((seconds, bn, bk, nw))
-                    seconds, bn, bk, nw = min(timings)
-                    decode_linear_triton.blocks_for = chosen
-                    default = captured_call_seconds(lambda kw=kw: decode_linear(**kw), calls, repeats, replays=1)
-                    out.append({"model": model, "projection": name, "rows": rows, "best_us": seconds * 1e6,
-                                "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "blocks_for_us": default * 1e6})
-                    print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us "
-                          f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  blocks_for's {default * 1e6:6.2f} us", flush=True)
-    finally:
-        decode_linear_triton.blocks_for = chosen
+    for model in models:
+        for rows in row_counts:
+            for name, (kw, _) in projections(model, rows).items():
+                (seconds, bn, bk, nw), default = fastest_tiles(
+                    decode_linear_triton, "blocks_for", 1 << (rows - 1).bit_length(), kw["x"].shape[1],
+                    (2, 4, 8, 16), lambda kw=kw: decode_linear(**kw), calls, repeats)
+                out.append({"model": model, "projection": name, "rows": rows, "best_us": seconds * 1e6,
+                            "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "blocks_for_us": default * 1e6})
+                print(f"{model:8s} {name:14s} rows {rows}  best {seconds * 1e6:6.2f} us "
+                      f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  blocks_for's {default * 1e6:6.2f} us", flush=True)
     return out
 
 
