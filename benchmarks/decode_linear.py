@@ -53,9 +53,8 @@ import torch
 from scratchlm.bench.results import environment, write_json
 from scratchlm.bench.timing import captured_call_seconds, copy_bandwidth
 from scratchlm.infer.sampling import chunked_argmax
-from scratchlm.kernels import decode_ffn_triton, decode_head_triton, decode_linear_triton
+from scratchlm.kernels import decode_head_triton, decode_linear_triton
 from scratchlm.kernels.decode_attention_triton import decode_attention
-from scratchlm.kernels.decode_ffn_triton import decode_ffn, ffn_group
 from scratchlm.kernels.decode_head_triton import decode_head
 from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
                                                    decode_qkv)
@@ -151,16 +150,13 @@ def layer_stack(model: str, rows: int, keys: int, layers: int, device="cuda"):
     x = torch.randn(rows, d, device=device, dtype=torch.bfloat16)
     nbytes = sum(w.numel() * w.element_size() for layer in stack for n, w in layer.items() if n.startswith("w"))
 
-    def step(pdl: bool, ffn: bool = False) -> torch.Tensor:
+    def step(pdl: bool) -> torch.Tensor:
         h = x
         for w in stack:
             q = decode_qkv(h, w["w_qkv"], w["ln1"], 1e-5, cos, sin, pos, w["k_buf"], w["v_buf"], H, pdl=pdl)
             q = q.view(rows, 1, H, hd).transpose(1, 2)
             h = decode_attention_linear(q, w["k_buf"][:, :, :keys], w["v_buf"][:, :, :keys], pos, None, w["w_o"],
                                         residual=h, pdl=pdl)
-            if ffn:
-                h = decode_ffn(h, w["w13"], w["w2"], w["ln2"], pdl=pdl)
-                continue
             gated = decode_linear(h, w["w13"], w["ln2"], gate_up=True, pdl=pdl)
             h = decode_linear(gated, w["w2"], residual=h, pdl=pdl)
         return h
@@ -170,94 +166,24 @@ def layer_stack(model: str, rows: int, keys: int, layers: int, device="cuda"):
 
 def time_layer_stack(model: str, rows: int, keys: int, layers: int, calls: int, repeats: int,
                      bandwidth: float) -> list[dict]:
-    """The layer stack's step timed without and with PDL (where supported), and with the
-    feed-forward in one kernel (`decode_ffn`, "_ffn") instead of two, after checking that PDL
-    gives the same result bit for bit and the one-kernel feed-forward the same within bf16's
-    rounding."""
+    """The layer stack's step timed without and with PDL (where supported), after checking that
+    both give the same result bit for bit."""
     step, nbytes = layer_stack(model, rows, keys, layers)
-    peers = {"no_pdl": (False, False), "no_pdl_ffn": (False, True)}
+    peers = {"no_pdl": False}
     if pdl_supported(torch.empty(1, device="cuda")):
-        peers.update(pdl=(True, False), pdl_ffn=(True, True))
-        for ffn in (False, True):
-            if not torch.equal(step(False, ffn), step(True, ffn)):
-                raise AssertionError("the step launched with PDL differs from the step without")
-    torch.testing.assert_close(step(False, True), step(False, False), rtol=5e-2, atol=5e-2)
-    times = {peer: captured_call_seconds(lambda o=options: step(*o), calls, repeats, replays=1)
-             for peer, options in peers.items()}
+        peers["pdl"] = True
+        if not torch.equal(step(False), step(True)):
+            raise AssertionError("the step launched with PDL differs from the step without")
+    times = {peer: captured_call_seconds(lambda pdl=pdl: step(pdl), calls, repeats, replays=1)
+             for peer, pdl in peers.items()}
     out = []
     for peer, seconds in times.items():
         out.append({"model": model, "projection": "layer_stack", "rows": rows, "keys": keys, "layers": layers,
                     "peer": peer, "us": seconds * 1e6, "us_per_layer": seconds * 1e6 / layers,
                     "bandwidth_share": nbytes / seconds / bandwidth, "x_no_pdl": times["no_pdl"] / seconds})
-        print(f"{model:8s} {layers} fused layers  rows {rows}  {keys} keys  {peer:10s} {seconds * 1e6:8.1f} us "
+        print(f"{model:8s} {layers} fused layers  rows {rows}  {keys} keys  {peer:7s} {seconds * 1e6:8.1f} us "
               f"({seconds * 1e6 / layers:5.2f} us a layer, {100 * out[-1]['bandwidth_share']:5.1f}% of copy)  "
               f"{out[-1]['x_no_pdl']:.2f}x the speed without PDL", flush=True)
-    return out
-
-
-def ffn_operands(model: str, rows: int, device="cuda", dtype=torch.bfloat16) -> dict:
-    """One block's feed-forward operands (`decode_ffn`'s arguments) at `rows` rows."""
-    d, _, ff = SHAPES[model]
-    t = _random(device, dtype)
-    return dict(x=t(rows, d), w13=t(2 * ff, d, scale=d ** -0.5), w2=t(d, ff, scale=ff ** -0.5),
-                norm_weight=1 + 0.1 * t(d))
-
-
-def two_kernel_ffn(x, w13, w2, norm_weight, pdl=False):
-    """The feed-forward as the fused step ran it before `decode_ffn`: two `decode_linear` kernels."""
-    return decode_linear(decode_linear(x, w13, norm_weight, gate_up=True, pdl=pdl), w2, residual=x, pdl=pdl)
-
-
-def time_ffn(model: str, rows: int, calls: int, repeats: int, bandwidth: float) -> list[dict]:
-    """A block's feed-forward (RMSNorm, w1|w3, gate, w2, residual): `decode_ffn` (one kernel)
-    against two `decode_linear` kernels, each without and with PDL where supported."""
-    kw = ffn_operands(model, rows)
-    nbytes = (kw["w13"].numel() + kw["w2"].numel()) * kw["w13"].element_size()
-    torch.testing.assert_close(decode_ffn(**kw), two_kernel_ffn(**kw), rtol=2e-2, atol=2e-2)
-    peers = {"decode_ffn": lambda: decode_ffn(**kw), "two_kernels": lambda: two_kernel_ffn(**kw)}
-    if pdl_supported(kw["x"]):
-        peers.update(decode_ffn_pdl=lambda: decode_ffn(**kw, pdl=True),
-                     two_kernels_pdl=lambda: two_kernel_ffn(**kw, pdl=True))
-    times = {peer: captured_call_seconds(fn, calls, repeats, replays=1) for peer, fn in peers.items()}
-    out = []
-    for peer, seconds in times.items():
-        out.append({"model": model, "projection": "ffn", "rows": rows, "peer": peer, "us": seconds * 1e6,
-                    "bandwidth_share": nbytes / seconds / bandwidth, "x_decode_ffn": seconds / times["decode_ffn"]})
-        print(f"{model:8s} ffn            rows {rows}  {peer:15s} {seconds * 1e6:7.2f} us  "
-              f"{100 * out[-1]['bandwidth_share']:5.1f}% of copy  {out[-1]['x_decode_ffn']:.2f}x decode_ffn's time",
-              flush=True)
-    return out
-
-
-def sweep_ffn(models, row_counts, calls: int, repeats: int) -> list[dict]:
-    """The fastest tiles of `decode_ffn` per model and row count: BLOCK_H in 2..64 hidden units a
-    program, num_warps in 2..8 (BLOCK_K = BLOCK_D within 16,384 product terms, groups of about the
-    square root of the programs), against `ffn_blocks_for`'s choice."""
-    out = []
-    chosen = decode_ffn_triton.ffn_blocks_for
-    for model in models:
-        for rows in row_counts:
-            kw = ffn_operands(model, rows)
-            d, ff = kw["x"].shape[1], kw["w2"].shape[1]
-            block_m = 1 << (rows - 1).bit_length()
-            timings = []
-            try:
-                for bh, nw in itertools.product((2, 4, 8, 16, 32, 64), (2, 4, 8)):
-                    programs = -(-ff // bh)
-                    bk = max(16, min(1 << (d - 1).bit_length(), 16384 // (block_m * bh)))
-                    tiles = (block_m, bh, bk, bk, ffn_group(programs), nw)
-                    decode_ffn_triton.ffn_blocks_for = lambda *a, t=tiles: t
-                    timings.append((captured_call_seconds(lambda: decode_ffn(**kw), calls, repeats, replays=1),
-                                    bh, nw))
-            finally:
-                decode_ffn_triton.ffn_blocks_for = chosen
-            seconds, bh, nw = min(timings)
-            default = captured_call_seconds(lambda: decode_ffn(**kw), calls, repeats, replays=1)
-            out.append({"model": model, "projection": "ffn", "rows": rows, "best_us": seconds * 1e6, "BLOCK_H": bh,
-                        "num_warps": nw, "ffn_blocks_for_us": default * 1e6,
-                        "all": [{"us": t * 1e6, "BLOCK_H": h, "num_warps": w} for t, h, w in timings]})
-            print(f"{model:8s} ffn            rows {rows}  best {seconds * 1e6:6.2f} us (BLOCK_H {bh}, {nw} warps)  "
-                  f"ffn_blocks_for's {default * 1e6:6.2f} us", flush=True)
     return out
 
 
@@ -373,8 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
                                               "0 leaves them out)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--only-layers", action="store_true", help="time the layer stacks only")
-    only.add_argument("--only-ffn", action="store_true", help="time a block's feed-forward only (with --sweep: "
-                                                              "sweep decode_ffn's tiles)")
     only.add_argument("--only-head", action="store_true", help="time the LM head with the argmax only (with "
                                                                "--sweep: sweep its tiles)")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
@@ -390,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if args.sweep:
-        sweeper = sweep_head if args.only_head else sweep_ffn if args.only_ffn else sweep
-        rows_out = sweeper(args.model, args.rows, args.calls, args.repeats)
+        rows_out = (sweep_head if args.only_head else sweep)(args.model, args.rows, args.calls, args.repeats)
         if args.json:
             write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "sweep": rows_out})
         return 0
@@ -410,10 +333,6 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             if args.only_head:
                 rows_out += time_head(model, rows, args.calls, args.repeats, bandwidth, compiled_head)
-                save()
-                continue
-            if args.only_ffn:
-                rows_out += time_ffn(model, rows, args.calls, args.repeats, bandwidth)
                 save()
                 continue
             layers = LAYERS[model] if args.layers is None else args.layers

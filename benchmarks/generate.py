@@ -143,11 +143,11 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
 def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, steps_per_replay=None,
-             fused_head=False, fused_ffn=False, **engine_options):
+             fused_head=False, **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
-    the attention windows of `generate`'s engines; `steps_per_replay`, `fused_head` and `fused_ffn`
-    (the cache's) replace the engine's.
+    the attention windows of `generate`'s engines; `steps_per_replay` and `fused_head` replace the
+    engine's.
     Blocks run module by module and without PDL unless `engine_options` ask for them, so each
     variant changes one thing from the module-by-module compiled step (`..._compile_unfused`)."""
     engine_options = {"fused_blocks": False, "pdl": False, **engine_options}
@@ -161,7 +161,6 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True
         if steps_per_replay is not None:
             _KEPT[name][1].steps_per_replay = steps_per_replay
         _KEPT[name][1].fused_head = fused_head
-        _KEPT[name][1].cache.fused_ffn = fused_ffn
     engine = _KEPT[name][1]
     with torch.inference_mode():
         if not stop_ids:
@@ -299,9 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         # the fused step ending in the fused head (`DecodeEngine.fused_head`, scratchlm.infer.fused_head)
         "scratchlm_engine_graphs_compile_fused_pdl_fused_head": lambda: _variant(
             "fused_pdl_fused_head", model, prompt, n, fused_blocks=True, pdl=True, fused_head=True),
-        # ... and with each feed-forward in one kernel (`scratchlm.kernels.decode_ffn_triton`)
-        "scratchlm_engine_graphs_compile_fused_pdl_ffn": lambda: _variant(
-            "fused_pdl_ffn", model, prompt, n, fused_blocks=True, pdl=True, fused_ffn=True),
         "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
             "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
         "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(

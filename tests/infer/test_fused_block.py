@@ -24,9 +24,8 @@ def _model(**kw):
                          rope_theta=10_000.0, dtype=torch.float32, **kw).eval()
 
 
-def _decode_logits(model, fused, rows=2, decode_attention="auto", fused_ffn=False):
+def _decode_logits(model, fused, rows=2, decode_attention="auto"):
     engine = DecodeEngine(model, rows, 32, fused_blocks=fused, decode_attention=decode_attention)
-    engine.cache.fused_ffn = fused_ffn
     engine._refresh_projections()
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]][:rows]
     engine._prefill(list(range(rows)), prompts)
@@ -48,7 +47,7 @@ def _counted_ops(monkeypatch, calls):
         return call
 
     monkeypatch.setattr(fused_block, "can_use_triton", lambda t: True)
-    for name in ("decode_linear", "decode_qkv", "decode_attention_linear", "decode_ffn"):
+    for name in ("decode_linear", "decode_qkv", "decode_attention_linear"):
         monkeypatch.setattr(fused_block, name, counted(name))
 
 
@@ -70,18 +69,7 @@ def test_the_fused_step_computes_the_blocks_math(monkeypatch, kw, fused, decode_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_fused_ffn_step_runs_each_feed_forward_as_one_op(monkeypatch):
-    model = _model()
-    _, expected = _decode_logits(model, False)
-    calls = []
-    _counted_ops(monkeypatch, calls)
-    _, got = _decode_logits(model, True, decode_attention="triton", fused_ffn=True)
-    assert calls == ["decode_qkv", "decode_attention_linear", "decode_ffn"] * 2
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("fused_ffn", [False, True])
-def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch, fused_ffn):
+def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch):
     """torch.compile traces the fused step with decode_qkv (an op that writes the cache), and a
     second compiled step, which reads the first one's keys from the cache, gives the module
     step's logits too. (Whether the write stays in place on a GPU shows in the time of
@@ -90,7 +78,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch, fused_ff
     steps = [(torch.tensor([7, 8]), torch.tensor([3, 2])), (torch.tensor([9, 1]), torch.tensor([4, 3]))]
 
     def two_steps(fused, compiled):
-        engine, _ = _decode_logits(model, fused, decode_attention="triton", fused_ffn=fused_ffn and fused)
+        engine, _ = _decode_logits(model, fused, decode_attention="triton")
         decode = torch.compile(engine._decode_logits, backend="aot_eager", dynamic=False) if compiled \
             else engine._decode_logits
         with torch.no_grad():  # as `DecodeEngine.run` steps
@@ -102,7 +90,7 @@ def test_compiled_fused_steps_give_the_module_steps_logits(monkeypatch, fused_ff
     torch._dynamo.reset()
     got = two_steps(True, True)
     torch._dynamo.reset()
-    assert "decode_qkv" in calls and "decode_attention_linear" in calls and ("decode_ffn" in calls) == fused_ffn
+    assert "decode_qkv" in calls and "decode_attention_linear" in calls
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
@@ -143,13 +131,13 @@ def test_fused_blocks_default_to_compiled_engines_of_few_slots(monkeypatch):
     assert engine.cache.fused_blocks is False and engine.cache.pdl is False
 
 
-@pytest.mark.parametrize("decode_attention, fused_ffn", [("sdpa", False), ("triton", False), ("triton", True)])
-def test_the_fused_kernels_give_the_logits_of_the_module_step(decode_attention, fused_ffn):
+@pytest.mark.parametrize("decode_attention", ["sdpa", "triton"])
+def test_the_fused_kernels_give_the_logits_of_the_module_step(decode_attention):
     if not (triton_available() and interpreting()):
         pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1 with triton installed")
     model = _model(num_kv_heads=2)
     _, expected = _decode_logits(model, False, rows=3)
-    _, got = _decode_logits(model, True, rows=3, decode_attention=decode_attention, fused_ffn=fused_ffn)
+    _, got = _decode_logits(model, True, rows=3, decode_attention=decode_attention)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -175,18 +163,15 @@ def test_blocks_qualify_only_where_the_fused_step_reproduces_them():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, "projections", "ffn"])
+@pytest.mark.parametrize("fused", [True, "projections"])
 @pytest.mark.parametrize("compile", [False, True])
 def test_fused_blocks_on_cuda_captured(compile, fused):
     model = _model().to("cuda", torch.bfloat16)
     with torch.no_grad():  # confident greedy paths: few argmax near-ties for bf16 rounding to flip
         model.lm_head.weight.mul_(8)
     prompts = [[1, 2, 3], [4, 5]]
-    outs = []
-    for f in (False, fused):
-        engine = DecodeEngine(model, 2, 64, compile=compile, fused_blocks=f if f != "ffn" else True)
-        engine.cache.fused_ffn = f == "ffn"  # each feed-forward as one kernel
-        outs.append(engine.run(prompts, [16, 16], temperature=0))
+    outs = [DecodeEngine(model, 2, 64, compile=compile, fused_blocks=f).run(prompts, [16, 16], temperature=0)
+            for f in (False, fused)]
     for plain, fused in zip(*outs, strict=True):
         agree = sum(a == b for a, b in zip(plain, fused, strict=True))
         assert agree >= 12, outs  # bf16 rounding may flip a near-tie late in a random model's sequence

@@ -24,12 +24,6 @@ with the cache buffers as decode_qkv's mutated arguments (torch.compile keeps th
 place) and the attention's split results combined as the output projection's kernel reads them
 (with the engine's `decode_attention="triton"`; with "sdpa", attention and the projection stay
 two ops). `DecodeEngine(fused_blocks="projections")` keeps the first form, for comparison.
-With the cache's `fused_ffn`, the last two lines are one kernel too,
-
-    x   = decode_ffn(x, W_w1|w3, W_2, norm=ln2)             # RMSNorm + w1|w3 + gate + w2 + residual
-
-(`scratchlm.kernels.decode_ffn_triton`: the hidden units split between the programs, their
-shares of w2's product summed by the last programs to finish).
 
 `fused_step(block, view, rows)` returns that step for a block whose math it reproduces, or None:
 pre-norm, `RMSNorm` norms, a `SwiGLU` FFN, plain bias-free projections without hooks, the
@@ -45,7 +39,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from scratchlm.kernels.decode_ffn_triton import decode_ffn
 from scratchlm.kernels.decode_linear_triton import MAX_ROWS, decode_attention_linear, decode_linear, decode_qkv
 from scratchlm.kernels.triton_support import can_use_triton
 from scratchlm.model.layers import Linear, RMSNorm, SwiGLU, hooked
@@ -109,8 +102,6 @@ def fused_step(block: nn.Module, view: Any, rows: int) -> Callable[[Tensor, Tens
             q_k_v = decode_linear(h, w_qkv, ln1.weight, eps=ln1.eps, pdl=pdl)
             a = attn.attend_projected(q_k_v.view(b, t, -1), token_positions, view)
             h = decode_linear(a.reshape(b * t, d), w_o, residual=h, pdl=pdl)
-        if view.cache.fused_ffn:
-            return decode_ffn(h, w_13, w_2, ln2.weight, ln2.eps, pdl=pdl).view(b, t, d)
         g = decode_linear(h, w_13, ln2.weight, eps=ln2.eps, gate_up=True, pdl=pdl)
         return decode_linear(g, w_2, residual=h, pdl=pdl).view(b, t, d)
 

@@ -93,9 +93,6 @@ class StaticKVCache:
         # `fused_blocks`): the norms, the SwiGLU gate and the residual adds inside the matmul kernels,
         # and RoPE and the cache write too unless it is "projections"
         self.fused_blocks: bool | str = False
-        # whether a fused step runs each feed-forward as one kernel
-        # (`scratchlm.kernels.decode_ffn_triton.decode_ffn`) instead of two `decode_linear`s
-        self.fused_ffn = False
         # whether the fused blocks' kernels launch with programmatic dependent launch (the engine's `pdl`)
         self.pdl = False
 
