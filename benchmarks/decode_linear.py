@@ -39,7 +39,9 @@ and under torch.compile (as the engine runs them). `--only-head` times these alo
 128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
 and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen. With
 `--only-head` it sweeps `decode_head`'s tiles (BLOCK_N in 4..32, BLOCK_K in 128..2048, num_warps
-in 2..8) in place of `head_blocks_for`'s instead.
+in 2..8) in place of `head_blocks_for`'s instead. With `--only-layers` it times the layer stack
+with each number of attention splits at few programs (`SPLITS_WHEN_FEW` in 1..16) at 64, 192, 320
+and 1,024 cached positions instead.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import torch
 from scratchlm.bench.results import environment, write_json
 from scratchlm.bench.timing import captured_call_seconds, copy_bandwidth
 from scratchlm.infer.sampling import chunked_argmax
-from scratchlm.kernels import decode_head_triton, decode_linear_triton
+from scratchlm.kernels import decode_attention_triton, decode_head_triton, decode_linear_triton
 from scratchlm.kernels.decode_attention_triton import decode_attention
 from scratchlm.kernels.decode_head_triton import decode_head
 from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
@@ -187,6 +189,39 @@ def time_layer_stack(model: str, rows: int, keys: int, layers: int, calls: int, 
     return out
 
 
+SWEEP_KEYS = (64, 192, 320, 1024)  # cached positions a row for `sweep_splits`
+
+
+def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dict]:
+    """The fused layer stack's time (launched with PDL where supported) with each number of
+    splits a row's keys take in the decode attention where rows x heads are few
+    (`decode_attention_triton.SPLITS_WHEN_FEW`, 1..16), at each of SWEEP_KEYS cached positions."""
+    chosen = decode_attention_triton.SPLITS_WHEN_FEW
+    pdl = pdl_supported(torch.empty(1, device="cuda"))
+    out = []
+    for model in models:
+        for rows in row_counts:
+            for keys in SWEEP_KEYS:
+                step, nbytes = layer_stack(model, rows, keys, LAYERS[model])
+                times = {}
+                try:
+                    for splits in (1, 2, 4, 8, 16):
+                        decode_attention_triton.SPLITS_WHEN_FEW = splits
+                        times[splits] = captured_call_seconds(lambda: step(pdl), 10, repeats, replays=1)
+                finally:
+                    decode_attention_triton.SPLITS_WHEN_FEW = chosen
+                best = min(times, key=times.get)
+                layers = LAYERS[model]
+                out.append({"model": model, "projection": "layer_stack_splits", "rows": rows, "keys": keys,
+                            "pdl": pdl, "best_splits": best, "us_per_layer": {s: t * 1e6 / layers for s, t in
+                                                                               times.items()},
+                            "bandwidth_share_best": nbytes / times[best] / bandwidth})
+                print(f"{model:8s} layers rows {rows}  {keys:5d} keys  us a layer by splits: "
+                      + "  ".join(f"{s}: {t * 1e6 / layers:6.2f}" for s, t in times.items())
+                      + f"  best {best} (SPLITS_WHEN_FEW is {chosen})", flush=True)
+    return out
+
+
 def head_operands(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
     """(x, w, vocab) of `model`'s LM head at `rows` rows: w's rows past the vocabulary are zeros."""
     d = SHAPES[model][0]
@@ -298,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="fused layers a step for the layer-stack peers (default: the model's; "
                                               "0 leaves them out)")
     only = p.add_mutually_exclusive_group()
-    only.add_argument("--only-layers", action="store_true", help="time the layer stacks only")
+    only.add_argument("--only-layers", action="store_true", help="time the layer stacks only (with --sweep: "
+                                                                 "sweep the attention's splits)")
     only.add_argument("--only-head", action="store_true", help="time the LM head with the argmax only (with "
                                                                "--sweep: sweep its tiles)")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
@@ -314,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if args.sweep:
-        rows_out = (sweep_head if args.only_head else sweep)(args.model, args.rows, args.calls, args.repeats)
+        if args.only_layers:
+            rows_out = sweep_splits(args.model, args.rows, args.repeats, bandwidth)
+        else:
+            rows_out = (sweep_head if args.only_head else sweep)(args.model, args.rows, args.calls, args.repeats)
         if args.json:
             write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "sweep": rows_out})
         return 0
