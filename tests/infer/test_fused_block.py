@@ -212,3 +212,30 @@ def test_a_compiled_one_slot_engine_fuses_its_blocks_and_launches_with_pdl_by_de
     assert one.cache.fused_blocks is True and one.cache.pdl == pdl_supported(torch.empty(1, device="cuda"))
     rollouts = DecodeEngine(model, MAX_ROWS + 1, 64, compile=True)
     assert rollouts.cache.fused_blocks is False and rollouts.cache.pdl is False
+
+
+def test_the_compiled_fused_step_computes_the_positions_once(monkeypatch):
+    """Inductor's CPU code for a fused step: one kernel computes the embedding and the clamped
+    positions that every layer's kernels take. Under the exact-stride default for custom ops it
+    computed a copy of the positions before each op that read them (24 extra kernels a GPT-2-small
+    step on a GPU); the opaque ops take flexible layouts instead (`register_op`)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    if not hasattr(torch.Tag, "flexible_layout"):
+        pytest.skip("this torch has no flexible_layout tag for custom ops")
+    assert torch.Tag.flexible_layout in torch.ops.scratchlm.decode_qkv.default.tags
+    monkeypatch.setattr(fused_block, "can_use_triton", lambda t: True)  # the ops' torch paths where no Triton
+    engine, expected = _decode_logits(_model(), True, rows=1, decode_attention="triton")
+    ids, pos = torch.tensor([7]), torch.tensor([3])
+    with torch.no_grad():
+        expected = engine._decode_next(ids, pos, 32)[0]
+    torch._dynamo.reset()
+    step = torch.compile(engine._decode_next, backend="inductor", dynamic=True)
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        (logits, _), codes = run_and_get_code(step, ids, pos, 32)
+    torch._dynamo.reset()
+    kernels = re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)\(", "\n".join(codes), re.MULTILINE)
+    assert sum("clamp" in k for k in kernels) == 1, kernels
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ variable.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from contextlib import nullcontext
@@ -128,13 +129,25 @@ def wrap_triton(kernel):
     return torch.library.wrap_triton(kernel) if op_registration() == "triton_op" else kernel
 
 
+def _custom_op_takes_tags() -> bool:
+    return "tags" in inspect.signature(torch.library.custom_op).parameters
+
+
 def register_op(name: str, impl, fake, *, mutates_args: tuple[str, ...] = (), opaque: bool = False):
     """The op `name` running `impl`: a triton_op where torch has one (its body is its own fake
     kernel), else, or with `opaque`, a custom op with the fake kernel `fake`. `impl` mutates only
     the arguments named in `mutates_args`. An opaque op launches its kernels itself (not through
-    `wrap_triton`), inside compiled code too: with launch options Inductor does not pass on (PDL)."""
+    `wrap_triton`), inside compiled code too: with launch options Inductor does not pass on (PDL).
+
+    An opaque op takes its inputs in whatever layout Inductor gives them (`torch.Tag.flexible_layout`,
+    where torch has it; the impls check strides and take torch's path on any they cannot run).
+    Under the default (exact strides), Inductor computed a copy of an unrealised input for each
+    op that read it: a fused decode step of GPT-2-small computed the (b,) positions 24 times, a
+    ~1 us kernel each between the step's kernels."""
     if opaque or op_registration() == "custom_op":
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
+        flexible = opaque and hasattr(torch.Tag, "flexible_layout") and _custom_op_takes_tags()
+        tags = {"tags": (torch.Tag.flexible_layout,)} if flexible else {}
+        op = torch.library.custom_op(name, mutates_args=mutates_args, **tags)(impl)
         op.register_fake(fake)
         return op
     # Without triton (CPU wheels) triton_op still works (the body then only runs the PyTorch
