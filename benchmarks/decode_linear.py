@@ -195,8 +195,9 @@ SWEEP_KEYS = (64, 192, 320, 1024)  # cached positions a row for `sweep_splits`
 def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dict]:
     """The fused layer stack's time (launched with PDL where supported) with each number of
     splits a row's keys take in the decode attention where rows x heads are few
-    (`decode_attention_triton.SPLITS_WHEN_FEW`, 1..16), at each of SWEEP_KEYS cached positions."""
-    chosen = decode_attention_triton.SPLITS_WHEN_FEW
+    (`decode_attention_triton.SPLITS_WHEN_FEW`, 1..16, with the count by keys off), at each of
+    SWEEP_KEYS cached positions, then with the kernels' own rule."""
+    chosen, by_keys = decode_attention_triton.SPLITS_WHEN_FEW, decode_attention_triton.KEYS_A_SPLIT
     pdl = pdl_supported(torch.empty(1, device="cuda"))
     out = []
     for model in models:
@@ -205,20 +206,24 @@ def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dic
                 step, nbytes = layer_stack(model, rows, keys, LAYERS[model])
                 times = {}
                 try:
+                    decode_attention_triton.KEYS_A_SPLIT = 0  # the count set here, whatever the keys
                     for splits in (1, 2, 4, 8, 16):
                         decode_attention_triton.SPLITS_WHEN_FEW = splits
                         times[splits] = captured_call_seconds(lambda: step(pdl), 10, repeats, replays=1)
                 finally:
-                    decode_attention_triton.SPLITS_WHEN_FEW = chosen
+                    decode_attention_triton.SPLITS_WHEN_FEW, decode_attention_triton.KEYS_A_SPLIT = chosen, by_keys
                 best = min(times, key=times.get)
+                rule = captured_call_seconds(lambda: step(pdl), 10, repeats, replays=1)  # the kernels' own rule
                 layers = LAYERS[model]
                 out.append({"model": model, "projection": "layer_stack_splits", "rows": rows, "keys": keys,
                             "pdl": pdl, "best_splits": best, "us_per_layer": {s: t * 1e6 / layers for s, t in
                                                                                times.items()},
-                            "bandwidth_share_best": nbytes / times[best] / bandwidth})
+                            "bandwidth_share_best": nbytes / times[best] / bandwidth,
+                            "rule_us_per_layer": rule * 1e6 / layers})
                 print(f"{model:8s} layers rows {rows}  {keys:5d} keys  us a layer by splits: "
                       + "  ".join(f"{s}: {t * 1e6 / layers:6.2f}" for s, t in times.items())
-                      + f"  best {best} (SPLITS_WHEN_FEW is {chosen})", flush=True)
+                      + f"  best {best}; the rule (SPLITS_WHEN_FEW {chosen}, KEYS_A_SPLIT {by_keys}): "
+                      f"{rule * 1e6 / layers:6.2f}", flush=True)
     return out
 
 

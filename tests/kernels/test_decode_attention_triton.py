@@ -100,3 +100,16 @@ def test_keys_are_split_only_where_programs_are_few():
     # a few hundred programs: split only where rows may be long (by the window, when it is shorter)
     assert mod.splits_for(8, 32, 1024) == mod.SPLITS_WHEN_LONG > 1
     assert mod.splits_for(8, 32, 256) == 1 and mod.splits_for(16, 32, 1024) == 1
+
+
+def test_one_rows_splits_follow_its_keys_where_asked():
+    """`by_keys` (the opaque fused op's launches, with concrete sizes): one split a KEYS_A_SPLIT
+    keys at one row, up to SPLITS_WHEN_FEW; several rows, or a traced launch, keep the fixed count."""
+    if not triton_available():
+        pytest.skip("the count is rounded with triton's helpers")
+    from scratchlm.kernels import decode_attention_triton as mod
+
+    assert mod.KEYS_A_SPLIT == 64 and mod.SPLITS_WHEN_FEW == 8
+    counts = {keys: mod.splits_for(1, 12, keys, by_keys=True) for keys in (33, 64, 65, 192, 320, 1024)}
+    assert counts == {33: 1, 64: 1, 65: 2, 192: 4, 320: 8, 1024: 8}
+    assert mod.splits_for(4, 12, 64, by_keys=True) == mod.splits_for(1, 12, 64) == 8

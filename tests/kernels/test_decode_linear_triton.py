@@ -173,7 +173,8 @@ def test_decode_qkv_reference_is_the_models_rope():
 
 
 ATTENTION_CASES = [  # (b, H, Hkv, max_len, L, d, window, N): the splits attention_partials picks
-    (1, 4, 4, 80, 70, 16, 0, 24),  # batch 1: eight splits, most of them empty
+    (1, 4, 4, 80, 70, 16, 0, 24),  # batch 1: two splits of a 70-key window (one a 64 keys)
+    (1, 4, 2, 40, 33, 16, 0, 24),  # batch 1, a short window: one split
     (3, 4, 2, 200, 192, 12, 0, 40),  # grouped-query attention, a head dim that is not a power of two
     (2, 2, 1, 150, 130, 16, 37, 8),  # sliding window
     (MAX_ROWS, 16, 4, 40, 33, 8, 0, 16),  # rows x heads enough programs: one split each

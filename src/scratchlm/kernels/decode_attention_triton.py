@@ -157,12 +157,22 @@ SPLITS_WHEN_FEW = 8
 SOME_PROGRAMS = 512
 LONG_ROW = 512
 SPLITS_WHEN_LONG = 4
+# Where the count may follow the window's length (`by_keys`: a kernel launched with concrete
+# sizes, from an opaque op, never traced with symbolic ones): one row's keys split in about
+# one program a KEYS_A_SPLIT keys, at most SPLITS_WHEN_FEW. On an H100, GPT-2-small's fused
+# layer at one row took 17.7 us with 1 split of 64 keys against 23.0 with 8, 20.7 with 4 splits
+# of 192 keys against 23.4, and was fastest with 8 at 320 and 1,024 keys
+# (docs/benchmarks/decode_linear.md). 0 turns it off.
+KEYS_A_SPLIT = 64
 
 
-def splits_for(b: int, H: int, keys: int = 0) -> int:
+def splits_for(b: int, H: int, keys: int = 0, by_keys: bool = False) -> int:
     """How many programs share one (row, head)'s at most `keys` keys: 1 where the b·H programs
-    fill the GPU and each walks few enough keys."""
+    fill the GPU and each walks few enough keys; with `by_keys` at one row, about one program a
+    KEYS_A_SPLIT keys (see above)."""
     if b * H < FEW_PROGRAMS:
+        if by_keys and b == 1 and KEYS_A_SPLIT > 0:
+            return min(SPLITS_WHEN_FEW, triton.next_power_of_2(-(-keys // KEYS_A_SPLIT)))
         return SPLITS_WHEN_FEW
     if b * H < SOME_PROGRAMS and keys >= LONG_ROW:
         return SPLITS_WHEN_LONG
@@ -170,11 +180,13 @@ def splits_for(b: int, H: int, keys: int = 0) -> int:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int, partials: bool,
-            pdl: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            pdl: bool = False,
+            by_keys: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Run the attention kernel: (out or None, m, lsum, acc, splits). With `partials` the splits'
     partial results are kept (one split or more) and not combined: out is None. `pdl`: launch it
     with programmatic dependent launch where supported (from an opaque op only: torch.compile's
-    tracing of a triton_op does not pass the launch option on)."""
+    tracing of a triton_op does not pass the launch option on); `by_keys` as for `splits_for`
+    (from an opaque op only too)."""
     b, H, _, d = q.shape
     L = k.shape[2]
     out = None if partials else torch.empty((b, H, 1, d), dtype=k.dtype, device=k.device)
@@ -182,7 +194,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     block_d = triton.next_power_of_2(d)
     Hkv = k.shape[1]
     group = H // Hkv
-    splits = attention_splits(q, k, window)
+    splits = attention_splits(q, k, window, by_keys)
     # the splits' partial results (unused, one element each, where the kernel writes out itself)
     keep = splits > 1 or partials
     parts = b * H * splits if keep else 1
@@ -206,19 +218,19 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     return out, m, lsum, acc, splits
 
 
-def attention_splits(q: torch.Tensor, k: torch.Tensor, window: int) -> int:
+def attention_splits(q: torch.Tensor, k: torch.Tensor, window: int, by_keys: bool = False) -> int:
     """How many splits the kernel runs for q (b, H, 1, d) over k (b, Hkv, L, d) (`splits_for` of
     its b·H programs, one per row and query head, and the keys a row may read)."""
     L = k.shape[2]
-    return splits_for(q.shape[0], q.shape[1], L if window <= 0 else min(L, window))
+    return splits_for(q.shape[0], q.shape[1], L if window <= 0 else min(L, window), by_keys)
 
 
 def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, by_keys: bool = False) -> torch.Tensor:
     """The kernel's combined output (b, H, 1, d) in k's dtype, as `decode_attention` returns it,
-    launched with `pdl` as `_launch` does. Needs `runs_on_triton`."""
+    launched with `pdl` and `by_keys` as `_launch` does. Needs `runs_on_triton`."""
     _check(q, k, v, pos)
-    return _launch(q, k, v, pos, window, partials=False, pdl=pdl)[0]
+    return _launch(q, k, v, pos, window, partials=False, pdl=pdl, by_keys=by_keys)[0]
 
 
 def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -226,15 +238,16 @@ def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _can_use_triton(k) and k.stride(3) == 1 and v.stride(3) == 1 and q.stride(3) == 1
 
 
-def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                       window: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
+                       pdl: bool = False, by_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The kernel's uncombined result, for a kernel that combines the splits as it reads them:
     (m, lsum, acc, splits), the running max (base 2), sum and unnormalised output (b·H·splits
     float32 values, and b·H·splits rows of next_power_of_2(d) for acc) of split s of row r and
     head h at index (r·H + h)·splits + s. The output is acc / lsum of one split; of several,
-    Σ wₛ accₛ / Σ wₛ lsumₛ with wₛ = 2^(mₛ - maxₛ mₛ). Needs `runs_on_triton`; `pdl` as `_launch`."""
+    Σ wₛ accₛ / Σ wₛ lsumₛ with wₛ = 2^(mₛ - maxₛ mₛ). Needs `runs_on_triton`; `pdl` and `by_keys`
+    as `_launch`."""
     _check(q, k, v, pos)
-    _, m, lsum, acc, splits = _launch(q, k, v, pos, window, partials=True, pdl=pdl)
+    _, m, lsum, acc, splits = _launch(q, k, v, pos, window, partials=True, pdl=pdl, by_keys=by_keys)
     return m, lsum, acc, splits
 
 

@@ -396,7 +396,7 @@ def combines_in_projection(q: torch.Tensor, k: torch.Tensor, window: int) -> boo
     combines every row's splits of every head again, in registers: at four rows of GPT-2-small
     shapes (eight splits) a layer took 538 us against 23 at one row on an H100
     (docs/benchmarks/decode_linear.md). Elsewhere the attention combines its own splits first."""
-    return q.shape[0] == 1 or attention_splits(q, k, window) == 1
+    return q.shape[0] == 1 or attention_splits(q, k, window, by_keys=True) == 1
 
 
 def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
@@ -410,10 +410,11 @@ def _decode_attention_linear_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and (residual is None or residual.stride(1) == 1))
     if not runs:
         return decode_attention_linear_reference(q, k, v, pos, window, w, residual)
+    # (an opaque op: the window's length is concrete here, and the split count may follow it)
     if not combines_in_projection(q, k, window):  # the attention combines its own splits
-        a = attention_output(q, k, v, pos, window, pdl=pdl).reshape(b, H * d)
+        a = attention_output(q, k, v, pos, window, pdl=pdl, by_keys=True).reshape(b, H * d)
         return _launch(a, a.stride(0), b, H * d, w, None, residual, 0.0, False, pdl)
-    m, lsum, acc, splits = attention_partials(q, k, v, pos, window, pdl=pdl)
+    m, lsum, acc, splits = attention_partials(q, k, v, pos, window, pdl=pdl, by_keys=True)
     return _launch(q, 0, b, H * d, w, None, residual, 0.0, False, pdl, parts=(m, lsum, acc, splits, H, d))
 
 
