@@ -239,7 +239,8 @@ def runs_on_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
-                       pdl: bool = False, by_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                       pdl: bool = False,
+                       by_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The kernel's uncombined result, for a kernel that combines the splits as it reads them:
     (m, lsum, acc, splits), the running max (base 2), sum and unnormalised output (b·H·splits
     float32 values, and b·H·splits rows of next_power_of_2(d) for acc) of split s of row r and
