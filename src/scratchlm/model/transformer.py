@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.functional import compute_dtype
 from scratchlm.model.layers import Embedding, Linear, ReLU2FFN, RMSNorm, SiLUFFN, SoftcappedLinear, SwiGLU
 from scratchlm.model.rope import RotaryEmbedding
 
@@ -321,9 +322,7 @@ class TransformerLM(nn.Module):
         is written by the final norm's kernel instead of being a pass of its own, and the head's
         gradient comes back in that dtype (it is computed in it)."""
         h = self.hidden_states(token_ids, token_positions, kv_cache, attention_mask=attention_mask)
-        if torch.is_autocast_enabled(h.device.type) and h.is_floating_point():
-            h = h.to(torch.get_autocast_dtype(h.device.type))
-        return h
+        return h.to(compute_dtype(h)) if h.is_floating_point() else h
 
     def forward(
         self,
