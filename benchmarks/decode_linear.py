@@ -201,9 +201,10 @@ def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dic
     pdl = pdl_supported(torch.empty(1, device="cuda"))
     out = []
     for model in models:
+        layers = LAYERS[model]
         for rows in row_counts:
             for keys in SWEEP_KEYS:
-                step, nbytes = layer_stack(model, rows, keys, LAYERS[model])
+                step, nbytes = layer_stack(model, rows, keys, layers)
                 times = {}
                 try:
                     decode_attention_triton.KEYS_A_SPLIT = 0  # the count set here, whatever the keys
@@ -214,14 +215,13 @@ def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dic
                     decode_attention_triton.SPLITS_WHEN_FEW, decode_attention_triton.KEYS_A_SPLIT = chosen, by_keys
                 best = min(times, key=times.get)
                 rule = captured_call_seconds(lambda: step(pdl), 10, repeats, replays=1)  # the kernels' own rule
-                layers = LAYERS[model]
+                us_per_layer = {s: t * 1e6 / layers for s, t in times.items()}
                 out.append({"model": model, "projection": "layer_stack_splits", "rows": rows, "keys": keys,
-                            "pdl": pdl, "best_splits": best, "us_per_layer": {s: t * 1e6 / layers for s, t in
-                                                                               times.items()},
+                            "pdl": pdl, "best_splits": best, "us_per_layer": us_per_layer,
                             "bandwidth_share_best": nbytes / times[best] / bandwidth,
                             "rule_us_per_layer": rule * 1e6 / layers})
                 print(f"{model:8s} layers rows {rows}  {keys:5d} keys  us a layer by splits: "
-                      + "  ".join(f"{s}: {t * 1e6 / layers:6.2f}" for s, t in times.items())
+                      + "  ".join(f"{s}: {us:6.2f}" for s, us in us_per_layer.items())
                       + f"  best {best}; the rule (SPLITS_WHEN_FEW {chosen}, KEYS_A_SPLIT {by_keys}): "
                       f"{rule * 1e6 / layers:6.2f}", flush=True)
     return out
