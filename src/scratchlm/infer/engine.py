@@ -266,12 +266,10 @@ class DecodeEngine:
         # Uncompiled prefills replayed from CUDA graphs, one per (rows, width) bucket (`_prefill_replayed`)
         self.prefill_graphs = prefill_graphs and self.cuda_graphs and not (compile and cuda)
         self._pad_prefill_rows = self.prefill_graphs  # chunks padded to a power of two of rows
-        self._greedy = None  # a greedy step as one function (`_greedy_next`), where compiled
         if compile and cuda:
             self._forward = self._compiled_step()
             # (entries: b == 1 and b > 1, each of which may come again in and out of inference mode)
             self._advance = self._own_compiled(DecodeEngine._record, 2 * len(batch_buckets(slots)), "inductor")
-            self._greedy = self._compiled_greedy()
             self._prefill_forward = self._compiled_prefill()
         if (compile and cuda) or self.prefill_graphs:
             self.prefill_bucket = PREFILL_BUCKET
@@ -335,26 +333,8 @@ class DecodeEngine:
         bound on what it can ever need, should a torch version specialise on more than the above.
         `backend`: torch.compile's (tests pass a counter).
         """
-        return self._own_compiled(DecodeEngine._decode_next, self._step_buckets(), backend)
-
-    def _step_buckets(self) -> int:
-        """The (b, L) buckets the engine can step: a bound on a compiled step's entries."""
-        return len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
-
-    def _greedy_next(self, b: int, L: int) -> Tensor:
-        """A greedy step of the first b rows over L cache slots: the forward, its argmax and the
-        bookkeeping after it (`_record`), the tokens it chose (b,). Compiled (`_compiled_greedy`),
-        the three are one graph: the argmax reads the head's output without a float32 copy of
-        the logits, and the positions, the argmax's last reduction and the bookkeeping share
-        kernels (where `_forward` then `_advance` are two graphs that cannot)."""
-        nxt = self._decode_next(self.tokens[:b], self.lens[:b], L)[1]
-        self._record(nxt, b)
-        return nxt
-
-    def _compiled_greedy(self, backend="inductor"):
-        """`_greedy_next` compiled for this engine (`_own_compiled`); its entries as the step's,
-        each in and out of inference mode."""
-        return self._own_compiled(DecodeEngine._greedy_next, 2 * self._step_buckets(), backend)
+        buckets = len(batch_buckets(self.slots)) * -(-self.max_len // self.len_bucket)
+        return self._own_compiled(DecodeEngine._decode_next, buckets, backend)
 
     def _own_compiled(self, fn, limit: int, backend):
         """`fn` (a method of the engine) under `torch.compile(dynamic=True)`, bound to this engine
@@ -408,8 +388,6 @@ class DecodeEngine:
         return (ids[:, None] == self.stop_ids).any(dim=-1)
 
     def _step_body(self, b: int, L: int, greedy: bool) -> Tensor:
-        if greedy and self._greedy is not None:
-            return self._greedy(b, L)  # (the tokens it chose: nothing reads a greedy step's logits)
         logits, argmax = self._forward(self.tokens[:b], self.lens[:b], L)
         if greedy:  # (a sampled step's caller samples, then advances)
             self._advance(logits.argmax(dim=-1) if argmax is None else argmax, b)
@@ -425,8 +403,7 @@ class DecodeEngine:
 
     def _step(self, b: int, L: int, greedy: bool, n: int = 1) -> Tensor:
         """n decode steps of the first b rows over L cache slots (n > 1: greedy steps only), the
-        last one's logits (a compiled greedy step's: the tokens it chose): one replay of the graph
-        captured for (b, L, greedy, n) with CUDA graphs."""
+        last one's logits: one replay of the graph captured for (b, L, greedy, n) with CUDA graphs."""
         if not self.cuda_graphs:
             return self._steps(b, L, greedy, n)
         key = (b, L, greedy, n)
