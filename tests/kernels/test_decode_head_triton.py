@@ -155,7 +155,8 @@ def test_tiles_stay_within_the_budget():
     from scratchlm.kernels.decode_linear_triton import TILE_TERMS
     from scratchlm.kernels.triton_support import triton
 
-    assert head_blocks_for(1, 50_257, 768)[1:3] == (16, 1024)  # GPT-2: a whole row of K, 3,142 programs
+    assert head_blocks_for(1, 50_257, 768)[1:] == (32, 256, 2)  # GPT-2, one row: the swept tiles, 1,571 programs
+    assert head_blocks_for(2, 50_257, 768)[1] == 16  # more rows: the first guess, 3,142 programs
     assert head_blocks_for(1, 128_256, 2048)[1:3] == (8, 2048)  # Llama-3.2-1B: 16,032 programs
     for rows in range(1, MAX_ROWS + 1):
         for vocab, inputs in ((50_257, 768), (128_256, 2048), (5, 40)):

@@ -254,7 +254,8 @@ class DecodeEngine:
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         # True: with the fused blocks, steps end in `scratchlm.infer.fused_head` where it reproduces
         # the model's head. Off: on an H100 its kernels took 40.3 us against 34.7 for the compiled
-        # head + `chunked_argmax` at GPT-2-small's shape (docs/benchmarks/decode_linear.md)
+        # head + `chunked_argmax` at GPT-2-small's shape, 31.9 us with the swept tiles of a later
+        # call; the engine has not been timed with them (docs/benchmarks/decode_linear.md)
         self.fused_head = False
         self._forward = self._decode_eager  # the step's (logits, argmax or None)
         self._advance = self._record  # the bookkeeping after a step

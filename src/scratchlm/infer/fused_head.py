@@ -8,10 +8,12 @@ blocks and `DecodeEngine.fused_head` on, `fused_logits` gives the same (logits, 
 its programs leaving the maximum of its outputs, and a small kernel picking the row's first
 maximum from those.
 
-It is off by default: on an H100 the two kernels took 40.3 us at GPT-2-small's shape and one
-row against 34.7 us for the compiled head and `chunked_argmax` (98.9 against 35.6 us at four
-rows); only the 1B shape's one-row head was faster (176.2 against 182.2 us).
-docs/benchmarks/decode_linear.md has the table.
+It is off by default. On an H100 the two kernels first took 40.3 us at GPT-2-small's shape and
+one row against 34.7 us for the compiled head and `chunked_argmax` (98.9 against 35.6 us at
+four rows); only the 1B shape's one-row head was faster (176.2 against 182.2 us). With the
+tiles of a later sweep they take 31.9 us at GPT-2-small's shape and one row (another call):
+the engine with the fused head has not been timed since. docs/benchmarks/decode_linear.md has
+the tables.
 
 `head_spec(model, padded)` is the (weight, vocab, final norm) that reproduces the model's own
 head, or None: a plain `RMSNorm` as the final norm, no logit soft-capping, and the head's

@@ -126,13 +126,18 @@ def head_blocks_for(rows: int, vocab: int, inputs: int) -> tuple[int, int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the head's logits kernel for `rows` rows, a
     vocabulary of `vocab` and `inputs` inputs a row.
 
-    A first guess, not yet swept on a GPU (`benchmarks/decode_linear.py --only-head --sweep`):
-    a few thousand programs over the vocabulary (16 outputs a program up to K = 1024, 8 beyond:
-    3,142 programs at GPT-2's 50,257 x 768, 16,032 at Llama-3.2-1B's 128,256 x 2048), each with
-    as much of K in one tile as `TILE_TERMS` product terms allow, so that its loads are in flight
-    at once. Fewer outputs a program means more partial maxima for the argmax kernel to read
-    (8 bytes each a row)."""
+    One row of at most 1,024 inputs takes the tiles a sweep found fastest on an H100
+    (`benchmarks/decode_linear.py --only-head --sweep`, GPT-2's 50,257 x 768): 32 outputs a
+    program and K in three tiles of 256, 2 warps, 31.9 us against 40.0 us for the first guess
+    below (16 x 1024, 4 warps). Every other case keeps that guess, not yet swept: a few
+    thousand programs over the vocabulary (16 outputs a program up to K = 1024, 8 beyond: 16,032
+    programs at Llama-3.2-1B's 128,256 x 2048), each with as much of K in one tile as
+    `TILE_TERMS` product terms allow, so that its loads are in flight at once. Fewer outputs a
+    program means more partial maxima for the argmax kernel to read (8 bytes each a row)."""
     block_m = triton.next_power_of_2(max(rows, 1))
+    if rows == 1 and inputs <= 1024:
+        block_n, block_k = min(32, triton.next_power_of_2(vocab)), min(256, max(32, triton.next_power_of_2(inputs)))
+        return block_m, block_n, block_k, 2
     block_n = 16 if inputs <= 1024 else 8
     block_n = min(block_n, triton.next_power_of_2(vocab))
     block_k = max(32, min(triton.next_power_of_2(inputs), 2048, TILE_TERMS // (block_m * block_n)))
