@@ -30,7 +30,11 @@ embeddings). Two workloads:
   tokens actually generated (rows stop at different steps on each side, so counts differ).
 
 Each timing is the median of --repeats (batch 1) or --rollout-repeats runs after one warm-up
-run (which also compiles and captures).
+run (which also compiles and captures). `--only PEER...` runs the named peers alone, `--skip
+PEER...` all but those (the names of BATCH1_PEERS; the rollouts run those of theirs that are
+left), e.g. HF's dynamic cache and the default engine only:
+
+    python benchmarks/generate.py --rollout-batch --only hf_generate_dynamic scratchlm_engine_graphs_compile
 --profile PREFIX writes, for batch 1 and 64, what one captured decode step spends its time on (kernels,
 GPU-busy time, gaps between kernels) to PREFIX_b{B}.txt, and for batch 1 with GEMV_OPTIONS to
 PREFIX_b1_gemv.txt and with fused blocks to PREFIX_b1_fused.txt (PREFIX_b1_fused_projections.txt with
@@ -52,6 +56,19 @@ from scratchlm.infer.generate import generate
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.hf import hf_config, to_hf_state_dict
 from scratchlm.model.transformer import build_model
+
+# The batch-1 peers, in the order they run (the rollouts time a subset of them); `--skip` and
+# `--only` take these names.
+BATCH1_PEERS = (
+    "hf_generate_dynamic", "scratchlm_engine_graphs", "scratchlm_engine_graphs_compile",
+    "scratchlm_engine_graphs_compile_unfused", "hf_generate_static_compile",
+    "scratchlm_engine_graphs_compile_unstacked",
+    "scratchlm_engine_graphs_compile_gemv", "scratchlm_engine_graphs_compile_fused",
+    "scratchlm_engine_graphs_compile_fused_projections", "scratchlm_engine_graphs_compile_fused_pdl",
+    "scratchlm_engine_graphs_compile_fused_pdl_fused_head", "scratchlm_engine_graphs_compile_fused_one_step_replays",
+    "scratchlm_engine_graphs_compile_fused_inductor_pdl", "scratchlm_engine_graphs_fused",
+    "scratchlm_engine_graphs_compile_sdpa_attention", "scratchlm_engine_graphs_compile_autotune",
+)
 
 SHAPES = {
     "gpt2": ModelConfig(vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048),
@@ -232,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-max", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rollout-repeats", type=int, default=1)
-    p.add_argument("--skip", nargs="*", default=[], help="peers to leave out (e.g. hf_static_compile)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--skip", nargs="*", default=[], metavar="PEER", help="peers to leave out (e.g. "
+                       "hf_generate_static_compile): names of BATCH1_PEERS")
+    which.add_argument("--only", nargs="+", metavar="PEER", help="the peers to run, every other one left out")
     steps = ["b1", "b1_gemv", "b1_fused", "b1_fused_pdl", "b1_fused_projections", "b64"]
     p.add_argument("--profile-steps", nargs="*", default=steps, choices=steps, help="which steps --profile profiles")
     p.add_argument("--no-batch1", action="store_true", help="leave out the batch-1 greedy workload (rollouts only)")
@@ -241,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", help="write the engine's kernel-time table here")
     p.add_argument("--out", help="write the rows to this JSON file")
     args = p.parse_args(argv)
+    unknown = [name for name in [*args.skip, *(args.only or [])] if name not in BATCH1_PEERS]
+    if unknown:
+        p.error(f"unknown peer(s) {', '.join(unknown)}; the peers are {', '.join(BATCH1_PEERS)}")
+    if args.only:
+        args.skip = [name for name in BATCH1_PEERS if name not in args.only]
     dtype = torch.bfloat16
 
     bandwidth = copy_bandwidth()
@@ -313,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "scratchlm_engine_graphs_compile_autotune": lambda: _variant("autotune", model, prompt, n,
                                                                      compile_mode="max-autotune-no-cudagraphs"),
     }
+    assert tuple(impls) == BATCH1_PEERS, "BATCH1_PEERS names every batch-1 peer, in order"
     results = {} if args.no_batch1 else _time_peers(impls, args.repeats, args.skip, lambda out: n * B1,
                                                     "" if B1 == 1 else f" x{B1}")
     ref = results.get("hf_generate_dynamic")
