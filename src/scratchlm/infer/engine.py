@@ -253,9 +253,7 @@ class DecodeEngine:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
         # True: with the fused blocks, steps end in `scratchlm.infer.fused_head` where it reproduces
-        # the model's head. Off: on an H100 its kernels took 40.3 us against 34.7 for the compiled
-        # head + `chunked_argmax` at GPT-2-small's shape, 31.9 us with the swept tiles of a later
-        # call; the engine has not been timed with them (docs/benchmarks/decode_linear.md)
+        # the model's head. Off by default: that module's docstring gives the timings and why
         self.fused_head = False
         self._forward = self._decode_eager  # the step's (logits, argmax or None)
         self._advance = self._record  # the bookkeeping after a step
