@@ -1,6 +1,6 @@
 """The decode projection kernel against torch at decode shapes, each inside a CUDA graph.
 
-    python benchmarks/decode_linear.py [--model gpt2 llama1b] [--rows 1 4 8] [--only-layers | --only-head]
+    python benchmarks/decode_linear.py [--model gpt2 llama1b] [--rows 1 4 8] [--only-layers]
         [--sweep] [--json out.json]
 
 For each projection of a block (q|k|v after the first RMSNorm, the output projection plus the
@@ -29,17 +29,10 @@ with the residual, as `scratchlm.infer.fused_block` runs them, launched without 
 programmatic dependent launch (`pdl`, Hopper on): the step's time without the LM head, its
 share of the copy bandwidth, and PDL's ratio. No torch.compile is involved, so this takes seconds.
 
-Then the LM head with the greedy pick (`head`): logits (rows, V) as float32 and their argmax, at
-GPT-2's (V 50,257 in a weight padded to 50,304 rows, d 768) and Llama-3.2-1B's (128,256, 2048)
-shapes: `decode_head` (`scratchlm.kernels.decode_head_triton`, two kernels) without and with PDL,
-against torch's `x @ wᵀ`, `[:, :V].float()` and `scratchlm.infer.sampling.chunked_argmax`, eager
-and under torch.compile (as the engine runs them). `--only-head` times these alone.
-
 `--sweep` instead times `decode_linear` with every tile choice (BLOCK_N in 2..16, BLOCK_K in
 128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
 and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen. With
-`--only-head` it sweeps `decode_head`'s tiles (BLOCK_N in 4..32, BLOCK_K in 128..2048, num_warps
-in 2..8) in place of `head_blocks_for`'s instead. With `--only-layers` it times the layer stack
+`--only-layers` it times the layer stack
 with each number of attention splits at few programs (`SPLITS_WHEN_FEW` in 1..16) at 64, 192, 320
 and 1,024 cached positions instead.
 """
@@ -54,10 +47,8 @@ import torch
 
 from scratchlm.bench.results import environment, write_json
 from scratchlm.bench.timing import captured_call_seconds, copy_bandwidth
-from scratchlm.infer.sampling import chunked_argmax
-from scratchlm.kernels import decode_attention_triton, decode_head_triton, decode_linear_triton
+from scratchlm.kernels import decode_attention_triton, decode_linear_triton
 from scratchlm.kernels.decode_attention_triton import decode_attention
-from scratchlm.kernels.decode_head_triton import decode_head
 from scratchlm.kernels.decode_linear_triton import (decode_attention_linear, decode_linear, decode_linear_reference,
                                                    decode_qkv)
 from scratchlm.kernels.triton_support import pdl_supported
@@ -69,7 +60,6 @@ SHAPES = {  # model: (d_model, q|k|v width, d_ff)
 }
 HEADS = {"gpt2": (12, 12), "llama1b": (32, 8)}  # model: (query heads, kv heads)
 LAYERS = {"gpt2": 12, "llama1b": 16}
-VOCAB = {"gpt2": (50_257, 50_304), "llama1b": (128_256, 128_256)}  # model: (vocabulary, the head's rows)
 
 
 def _random(device, dtype):
@@ -227,56 +217,6 @@ def sweep_splits(models, row_counts, repeats: int, bandwidth: float) -> list[dic
     return out
 
 
-def head_operands(model: str, rows: int, device="cuda", dtype=torch.bfloat16):
-    """(x, w, vocab) of `model`'s LM head at `rows` rows: w's rows past the vocabulary are zeros."""
-    d = SHAPES[model][0]
-    vocab, padded = VOCAB[model]
-    t = _random(device, dtype)
-    w = t(padded, d, scale=d ** -0.5)
-    w[vocab:] = 0
-    return t(rows, d), w, vocab
-
-
-def torch_head(x: torch.Tensor, w: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head and the greedy pick as torch computes them: cuBLAS's product, the vocabulary's
-    columns as float32, then `chunked_argmax`."""
-    logits = (x @ w.t())[:, :vocab].float()
-    return logits, chunked_argmax(logits)
-
-
-def check_head(x: torch.Tensor, w: torch.Tensor, vocab: int, pdl: bool = False) -> None:
-    """`decode_head`'s logits close to torch's and its argmax exactly their first maximum."""
-    logits, argmax = decode_head(x, w, vocab, pdl=pdl)
-    expected, _ = torch_head(x, w, vocab)
-    torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
-    if not torch.equal(argmax, logits.argmax(-1)):
-        raise AssertionError(f"decode_head's argmax {argmax.tolist()} is not its logits' {logits.argmax(-1).tolist()}")
-
-
-def time_head(model: str, rows: int, calls: int, repeats: int, bandwidth: float, compiled_head) -> list[dict]:
-    """The head peers (module docstring) at `rows` rows; bandwidth shares count w's whole weight."""
-    x, w, vocab = head_operands(model, rows)
-    nbytes = w.numel() * w.element_size()
-    check_head(x, w, vocab)
-    peers = {"decode_head": lambda: decode_head(x, w, vocab)}
-    if pdl_supported(w):
-        check_head(x, w, vocab, pdl=True)
-        peers["decode_head_pdl"] = lambda: decode_head(x, w, vocab, pdl=True)
-    peers["torch_compiled"] = lambda: compiled_head(x, w, vocab)
-    peers["torch_eager"] = lambda: torch_head(x, w, vocab)
-    times = {peer: captured_call_seconds(fn, calls, repeats, replays=1) for peer, fn in peers.items()}
-    out = []
-    for peer, seconds in times.items():
-        row = {"model": model, "projection": "head_argmax", "rows": rows, "vocab": vocab, "peer": peer,
-               "us": seconds * 1e6, "weight_gb_per_s": nbytes / seconds / 1e9,
-               "bandwidth_share": nbytes / seconds / bandwidth, "x_decode_head": seconds / times["decode_head"]}
-        out.append(row)
-        print(f"{model:8s} head+argmax    rows {rows}  {peer:15s} {row['us']:7.2f} us  "
-              f"{row['weight_gb_per_s']:7.0f} GB/s  {100 * row['bandwidth_share']:5.1f}% of copy  "
-              f"{row['x_decode_head']:.2f}x decode_head's time", flush=True)
-    return out
-
-
 def fastest_tiles(module, rule: str, block_m: int, inputs: int, block_ns, call, calls: int,
                   repeats: int) -> tuple[tuple[float, int, int, int], float]:
     """((seconds, BLOCK_N, BLOCK_K, num_warps) of the fastest tiles, the rule's own seconds) of
@@ -294,22 +234,6 @@ def fastest_tiles(module, rule: str, block_m: int, inputs: int, block_ns, call, 
     finally:
         setattr(module, rule, chosen)
     return min(timings), captured_call_seconds(call, calls, repeats, replays=1)
-
-
-def sweep_head(models, row_counts, calls: int, repeats: int) -> list[dict]:
-    """The fastest tiles of `decode_head` per model and row count (see the module docstring)."""
-    out = []
-    for model in models:
-        for rows in row_counts:
-            x, w, vocab = head_operands(model, rows)
-            (seconds, bn, bk, nw), default = fastest_tiles(
-                decode_head_triton, "head_blocks_for", 1 << (rows - 1).bit_length(), x.shape[1], (4, 8, 16, 32),
-                lambda: decode_head(x, w, vocab), calls, repeats)
-            out.append({"model": model, "projection": "head_argmax", "rows": rows, "best_us": seconds * 1e6,
-                        "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "head_blocks_for_us": default * 1e6})
-            print(f"{model:8s} head+argmax    rows {rows}  best {seconds * 1e6:6.2f} us "
-                  f"(BLOCK_N {bn}, BLOCK_K {bk}, {nw} warps)  head_blocks_for's {default * 1e6:6.2f} us", flush=True)
-    return out
 
 
 def sweep(models, row_counts, calls: int, repeats: int) -> list[dict]:
@@ -340,8 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
     only = p.add_mutually_exclusive_group()
     only.add_argument("--only-layers", action="store_true", help="time the layer stacks only (with --sweep: "
                                                                  "sweep the attention's splits)")
-    only.add_argument("--only-head", action="store_true", help="time the LM head with the argmax only (with "
-                                                               "--sweep: sweep its tiles)")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
     return p
@@ -358,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only_layers:
             rows_out = sweep_splits(args.model, args.rows, args.repeats, bandwidth)
         else:
-            rows_out = (sweep_head if args.only_head else sweep)(args.model, args.rows, args.calls, args.repeats)
+            rows_out = sweep(args.model, args.rows, args.calls, args.repeats)
         if args.json:
             write_json(args.json, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth, "sweep": rows_out})
         return 0
@@ -366,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(decode_linear_reference, dynamic=False)
-    compiled_head = torch.compile(torch_head, dynamic=False)
     rows_out = []
 
     def save() -> None:  # after each group of peers, so a run cut short still leaves its numbers
@@ -375,10 +296,6 @@ def main(argv: list[str] | None = None) -> int:
 
     for model in args.model:
         for rows in args.rows:
-            if args.only_head:
-                rows_out += time_head(model, rows, args.calls, args.repeats, bandwidth, compiled_head)
-                save()
-                continue
             layers = LAYERS[model] if args.layers is None else args.layers
             if layers:
                 rows_out += time_layer_stack(model, rows, args.keys, layers, 10, args.repeats, bandwidth)
@@ -405,8 +322,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['x_decode_linear']:.2f}x decode_linear's time", flush=True)
                 save()
             rows_out += time_attention_output(model, rows, args.keys, args.calls, args.repeats)
-            save()
-            rows_out += time_head(model, rows, args.calls, args.repeats, bandwidth, compiled_head)
             save()
     return 0
 

@@ -65,7 +65,7 @@ BATCH1_PEERS = (
     "scratchlm_engine_graphs_compile_unstacked",
     "scratchlm_engine_graphs_compile_gemv", "scratchlm_engine_graphs_compile_fused",
     "scratchlm_engine_graphs_compile_fused_projections", "scratchlm_engine_graphs_compile_fused_pdl",
-    "scratchlm_engine_graphs_compile_fused_pdl_fused_head", "scratchlm_engine_graphs_compile_fused_one_step_replays",
+    "scratchlm_engine_graphs_compile_fused_one_step_replays",
     "scratchlm_engine_graphs_compile_fused_inductor_pdl", "scratchlm_engine_graphs_fused",
     "scratchlm_engine_graphs_compile_sdpa_attention", "scratchlm_engine_graphs_compile_autotune",
 )
@@ -160,11 +160,10 @@ _KEPT: dict[str, tuple[int, object]] = {}  # variant -> (max_len, its engine), k
 GEMV_OPTIONS = {"decompose_mem_bound_mm": True, "coordinate_descent_tuning": True}
 
 def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True, steps_per_replay=None,
-             fused_head=False, **engine_options):
+             **engine_options):
     """Decoding by a captured engine (compiled unless `compile` is False) built with `engine_options` (one kept per variant):
     greedy without `stop_ids`, else sampled at temperature 1 (seed 0) as the rollouts are, with
-    the attention windows of `generate`'s engines; `steps_per_replay` and `fused_head` replace the
-    engine's.
+    the attention windows of `generate`'s engines; `steps_per_replay` replaces the engine's.
     Blocks run module by module and without PDL unless `engine_options` ask for them, so each
     variant changes one thing from the module-by-module compiled step (`..._compile_unfused`)."""
     engine_options = {"fused_blocks": False, "pdl": False, **engine_options}
@@ -177,7 +176,6 @@ def _variant(name: str, model, prompts, new_tokens, *, stop_ids=(), compile=True
                                           **engine_options))
         if steps_per_replay is not None:
             _KEPT[name][1].steps_per_replay = steps_per_replay
-        _KEPT[name][1].fused_head = fused_head
     engine = _KEPT[name][1]
     with torch.inference_mode():
         if not stop_ids:
@@ -320,9 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         # Inductor's own kernels (embedding, final norm, argmax, bookkeeping) launched with PDL too
         "scratchlm_engine_graphs_compile_fused_pdl": lambda: _variant("fused_pdl", model, prompt, n,
                                                                       fused_blocks=True, pdl=True),
-        # the fused step ending in the fused head (`DecodeEngine.fused_head`, scratchlm.infer.fused_head)
-        "scratchlm_engine_graphs_compile_fused_pdl_fused_head": lambda: _variant(
-            "fused_pdl_fused_head", model, prompt, n, fused_blocks=True, pdl=True, fused_head=True),
         "scratchlm_engine_graphs_compile_fused_one_step_replays": lambda: _variant(
             "fused_one_step", model, prompt, n, fused_blocks=True, steps_per_replay=1),
         "scratchlm_engine_graphs_compile_fused_inductor_pdl": lambda: _variant(

@@ -47,7 +47,6 @@ import torch
 import torch._inductor.config
 from torch import Tensor, nn
 
-from scratchlm.infer.fused_head import fused_logits, head_spec
 from scratchlm.infer.padded_head import PaddedHead
 from scratchlm.infer.sampling import chunked_argmax, sample_next
 from scratchlm.infer.stacked import StackedProjections
@@ -252,9 +251,6 @@ class DecodeEngine:
         if self.head is not None:
             stacked = self.cache.projections.nbytes() if self.cache.projections is not None else 0
             self.head = self.head if self.head.fits(self.device, reserved=stacked) else None
-        # True: with the fused blocks, steps end in `scratchlm.infer.fused_head` where it reproduces
-        # the model's head. Off by default: that module's docstring gives the timings and why
-        self.fused_head = False
         self._forward = self._decode_eager  # the step's (logits, argmax or None)
         self._advance = self._record  # the bookkeeping after a step
         self._prefill_forward = self._prefill_logits
@@ -310,15 +306,8 @@ class DecodeEngine:
     def _decode_next(self, tokens: Tensor, lens: Tensor, L: int) -> tuple[Tensor, Tensor]:
         """The step's logits (b, V) and their argmax (b,) for rows of `lens` cached tokens:
         compiled, the argmax is two fused reductions (`chunked_argmax`) instead of eager kernels
-        after the graph's matmuls (unused by a sampled step). With the fused blocks and
-        `fused_head`, the final norm, the head and the argmax are `scratchlm.infer.fused_head`'s
-        two kernels where they reproduce the model's head."""
-        pos = self._positions(lens)
-        spec = head_spec(self.model, self.head) if self.cache.fused_blocks and self.fused_head else None
-        if spec is not None:  # the final norm, the head and the argmax in two kernels
-            view = DecodeView(self.cache, pos, L)
-            return fused_logits(self.model, spec, tokens, pos, view, self.cache.pdl_for(tokens.shape[0]))
-        logits = self._decode_logits(tokens, pos, L)
+        after the graph's matmuls (unused by a sampled step)."""
+        logits = self._decode_logits(tokens, self._positions(lens), L)
         return logits, chunked_argmax(logits)
 
     def _compiled_step(self, backend="inductor"):
