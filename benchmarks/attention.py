@@ -6,6 +6,9 @@ bf16, hidden size 2048 (heads = 2048 / head_dim), batch = 16384 tokens / seq, ca
 not, forward and forward+backward. TFLOP/s counts 4·B·H·T²·d for the forward (halved when
 causal) and 2.5x that for the backward; times are medians of triton.testing.do_bench.
 `--kv-heads N` gives k and v N heads (grouped-query attention; SDPA then runs with enable_gqa=True).
+`--atomic-dq` adds, for forward+backward, scratchlm's kernels with the five-matmul backward
+(`flash_attention_triton.backward_dq("atomic")`: dQ added into float32 by the dK/dV kernel, no dQ
+kernel) and its ratio to the default backward (`x recompute`), checking its gradients first.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scratchlm.bench.results import environment, ratio, write_json
-from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton
+from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, backward_dq
 from scratchlm.model.accounting import attention_flops
 
 
@@ -37,7 +40,7 @@ IMPLS = {
 }
 
 
-def _time(fn, mode, q, k, v, g, causal):
+def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
     import triton
 
     if mode == "forward":
@@ -48,7 +51,23 @@ def _time(fn, mode, q, k, v, g, causal):
         def step():
             out = fn(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), g)
-    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
+    before = backward_dq(dq)
+    try:
+        return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
+    finally:
+        backward_dq(before)
+
+
+def _atomic_dq_error(q, k, v, g, causal) -> float:
+    """The largest relative error of the five-matmul backward's gradients against the default's."""
+    out = FlashAttentionTriton.apply(q, k, v, causal)
+    expected = torch.autograd.grad(out, (q, k, v), g)
+    before = backward_dq("atomic")
+    try:
+        got = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (q, k, v), g)
+    finally:
+        backward_dq(before)
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, expected))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads of k and v (grouped-query attention); default: as many as q")
     p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
     p.add_argument("--modes", nargs="+", default=["forward", "forward_backward"])
+    p.add_argument("--atomic-dq", action="store_true",
+                   help="also time forward+backward with the five-matmul backward (dQ by atomic adds)")
     p.add_argument("--json", help="write all rows to this file")
     return p
 
@@ -108,12 +129,21 @@ def main(argv: list[str] | None = None) -> int:
                     tf = {n: row[n].get("tflops") for n in IMPLS}
                     row["ratio_vs_flash"] = ratio(tf["scratchlm_triton"], tf["sdpa_flash"])
                     row["ratio_vs_cudnn"] = ratio(tf["scratchlm_triton"], tf["sdpa_cudnn"])
-                    rows.append(row)
                     fmt = lambda x: f"{x:8.1f}" if x else "     n/a"  # noqa: E731
                     rat = lambda x: f"{x:9.2f}" if x else "      n/a"  # noqa: E731
+                    atomic = ""
+                    if args.atomic_dq and mode == "forward_backward":
+                        fn = IMPLS["scratchlm_triton"]
+                        row["atomic_dq_grad_err"] = _atomic_dq_error(q, k, v, g, causal)
+                        t = _time(fn, mode, q, k, v, g, causal, dq="atomic")
+                        row["scratchlm_triton_atomic_dq"] = {"seconds": t, "tflops": flops / t / 1e12}
+                        row["atomic_dq_ratio"] = ratio(flops / t / 1e12, tf["scratchlm_triton"])
+                        atomic = (f"   atomic dQ {flops / t / 1e12:6.1f} TFLOP/s, x recompute "
+                                  f"{row['atomic_dq_ratio']:.2f}, grad err {row['atomic_dq_grad_err']:.1e}")
+                    rows.append(row)
                     print(f"{seq:>6}{d:>5}{str(causal):>7}{mode:>17}{fmt(tf['scratchlm_triton'])}"
                           f"{fmt(tf['sdpa_flash'])}{fmt(tf['sdpa_cudnn'])}{rat(row['ratio_vs_flash'])}"
-                          f"{rat(row['ratio_vs_cudnn'])}   err {err:.1e}", flush=True)
+                          f"{rat(row['ratio_vs_cudnn'])}   err {err:.1e}{atomic}", flush=True)
             del q, k, v, g
             torch.cuda.empty_cache()
     if args.json:

@@ -680,9 +680,9 @@ def test_reduce_overhead_17m_model_is_not_partitioned():
 @pytest.mark.parametrize("is_causal,even,windowed,grouped", [(True, True, False, False), (False, False, False, False),
                                                              (True, False, True, True), (True, True, True, False),
                                                              (False, True, False, True)])
-@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("rope,atomic_dq", [(False, False), (True, False), (True, True)])
 def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, is_causal, even, windowed, grouped,
-                                                             rope):
+                                                             rope, atomic_dq):
     # Ahead-of-time compilation to a Hopper cubin needs no GPU; an fp64 scale once made the
     # softmax, and so the tl.dot accumulator, fp64, which Triton rejects at compile time.
     import triton
@@ -699,9 +699,12 @@ def test_kernels_compile_for_sm90_with_an_fp32_or_fp64_scale(name, scale_type, i
         fn = fn.fn
     if rope and "ROPE" not in fn.arg_names:
         pytest.skip("the forward takes q and k rotated")
-    tensors = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32"}
+    if atomic_dq and "ATOMIC_DQ" not in fn.arg_names:
+        pytest.skip("only the dK/dV kernel adds into dQ")
+    tensors = {"LSE": "*fp32", "DELTA": "*fp32", "COS": "*fp32", "SIN": "*fp32", "DQA": "*fp32"}
     meta = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=is_causal, WINDOWED=windowed,
-                GROUPED=grouped, EVEN_D=True, EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32", ROPE=rope, PACKED=rope)
+                GROUPED=grouped, EVEN_D=True, EVEN_M=even, EVEN_N=even, DOT_PRECISION="tf32", ROPE=rope, PACKED=rope,
+                ATOMIC_DQ=atomic_dq)
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     signature = {}
     for arg in fn.arg_names:

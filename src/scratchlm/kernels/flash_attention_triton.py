@@ -12,7 +12,9 @@ reference the tests compare against); this file is the fast version:
 - backward, FA2 style and without atomics: a dQ kernel owns one query tile and streams over
   key tiles; it first computes its rows' ``D = rowsum(dO * O)`` (no separate pass over dO and
   O) and stores it for the dK/dV kernel, launched after it, which owns one key tile and streams
-  over query tiles. Each output tile is written exactly once.
+  over query tiles. Each output tile is written exactly once. ``backward_dq("atomic")`` switches
+  to the five-matmul form instead: the dK/dV kernel also adds each query tile's dS·K into a
+  float32 dQ with atomic adds, and no dQ kernel runs (see ``_BACKWARD_DQ``).
 - grouped-query attention: k and v may have Hkv heads for q's H (H a multiple of Hkv, q head h
   reading kv head h // (H // Hkv)). The forward and dQ kernels index the kv head (k and v are
   never repeated); the dK/dV kernel runs one program per (key tile, batch * kv head) and
@@ -73,7 +75,7 @@ from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, triton_available, wrap_triton
 from scratchlm.model.rope import apply_rope
 
-__all__ = ["FlashAttentionTriton", "flash_attention", "flash_attention_qkv", "triton_available"]
+__all__ = ["FlashAttentionTriton", "backward_dq", "flash_attention", "flash_attention_qkv", "triton_available"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -323,11 +325,14 @@ if triton is not None:
         return tl.reshape(tl.join(c * g_even + s * g_odd, c * g_odd - s * g_even), (BLOCK_ROWS, BLOCK_D))
 
     @triton.jit
-    def _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start_m,
-                       N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr, EVEN_M: tl.constexpr,
-                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        # (dk, dv) of the key tile plus the share of the query tile at start_m of one head.
+    def _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt, stride_dot,
+                       stride_dqat, start_m, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr,
+                       EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       ATOMIC_DQ: tl.constexpr):
+        # (dk, dv) of the key tile plus the share of the query tile at start_m of one head. With
+        # ATOMIC_DQ the tile's share of dQ (dS·K, unscaled) is added into the float32 rows at
+        # dqa_base too: the fifth matmul, in place of the dQ kernel's recomputation of P and dP.
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
         qt_ptrs = q_base + rows[None, :] * stride_qt + offs_d[:, None]  # (D, BM)
@@ -354,16 +359,23 @@ if triton is not None:
             pt = tl.where(rows[None, :] < N_CTX, pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
-        dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        dst = (pt * (dpt - delta[None, :])).to(qt.dtype)
+        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)  # (BM, D)
+            dqa_ptrs = dqa_base + rows[:, None] * stride_dqat + offs_d[None, :]
+            if EVEN_M and EVEN_D:
+                tl.atomic_add(dqa_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dqa_ptrs, dq, mask=(rows[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh, stride_qt,
-                        stride_dot, group, lo, hi, N_CTX, qk_scale, window, offs_n, offs_d,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh, stride_doh,
+                        stride_qt, stride_dot, stride_dqah, stride_dqat, group, lo, hi, N_CTX, qk_scale, window,
+                        offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                         WINDOW_MASK: tl.constexpr, GROUPED: tl.constexpr, EVEN_M: tl.constexpr,
-                        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
         # The query tiles [lo, hi) of the head at the bases, or with GROUPED of each of the `group`
         # heads from it on, one after the other, as one flat loop over (head, tile): a loop over
         # heads around the loop over tiles made ptxas spill at most tile sizes.
@@ -372,52 +384,56 @@ if triton is not None:
             for it in range(0, group * n_tiles):
                 g = it // n_tiles
                 dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_base + g * stride_qh, do_base + g * stride_doh,
-                                        lse_base + g * N_CTX, delta_base + g * N_CTX, stride_qt, stride_dot,
-                                        lo + (it - g * n_tiles) * BLOCK_M, N_CTX, qk_scale, window, offs_n, offs_d,
-                                        HEAD_DIM, BLOCK_M, CAUSAL_MASK, WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION)
+                                        lse_base + g * N_CTX, delta_base + g * N_CTX, dqa_base + g * stride_dqah,
+                                        stride_qt, stride_dot, stride_dqat, lo + (it - g * n_tiles) * BLOCK_M, N_CTX,
+                                        qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, CAUSAL_MASK,
+                                        WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
         else:
             for start_m in range(lo, hi, BLOCK_M):
-                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                        start_m, N_CTX, qk_scale, window, offs_n, offs_d,
-                                        HEAD_DIM, BLOCK_M, CAUSAL_MASK, WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION)
+                dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt,
+                                        stride_dot, stride_dqat, start_m, N_CTX, qk_scale, window, offs_n, offs_d,
+                                        HEAD_DIM, BLOCK_M, CAUSAL_MASK, WINDOW_MASK, EVEN_M, EVEN_D, DOT_PRECISION,
+                                        ATOMIC_DQ)
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_head(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh, stride_qt,
-                       stride_dot, group, start_n, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       WINDOWED: tl.constexpr, GROUPED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                       EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _bwd_dkdv_head(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh, stride_doh,
+                       stride_qt, stride_dot, stride_dqah, stride_dqat, group, start_n, N_CTX, qk_scale, window,
+                       offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, GROUPED: tl.constexpr, EVEN_M: tl.constexpr,
+                       EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       ATOMIC_DQ: tl.constexpr):
         # dK/dV of the key tile at start_n, summed into (dk, dv) over the query tiles of the head
         # at the bases (with GROUPED, of the `group` heads from it on) that see it.
         if IS_CAUSAL:
             # query tiles on the diagonal need the causal mask; the ones below it do not
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh,
-                                     stride_qt, stride_dot, group, start_n, start_n + BLOCK_N, N_CTX, qk_scale,
-                                     window, offs_n, offs_d, HEAD_DIM, BLOCK_M, True, WINDOWED, GROUPED,
-                                     EVEN_M and EVEN_N, EVEN_D, DOT_PRECISION)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh,
+                                     stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group, start_n,
+                                     start_n + BLOCK_N, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M,
+                                     True, WINDOWED, GROUPED, EVEN_M and EVEN_N, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
             if WINDOWED:
                 # Only queries i < start_n + BLOCK_N - 1 + window see this key tile: the query
                 # tiles [start_n + BLOCK_N, q_mid) see all of it, [q_mid, q_end) its window's edge.
                 q_end = tl.minimum(start_n + BLOCK_N - 1 + window, N_CTX)
                 q_mid = tl.minimum(tl.maximum((start_n + window) // BLOCK_M * BLOCK_M, start_n + BLOCK_N), N_CTX)
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
-                                         stride_doh, stride_qt, stride_dot, group, start_n + BLOCK_N, q_mid, N_CTX,
-                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, GROUPED,
-                                         EVEN_M, EVEN_D, DOT_PRECISION)
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
-                                         stride_doh, stride_qt, stride_dot, group, q_mid, q_end, N_CTX,
-                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, True, GROUPED,
-                                         EVEN_M, EVEN_D, DOT_PRECISION)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group,
+                                         start_n + BLOCK_N, q_mid, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM,
+                                         BLOCK_M, False, False, GROUPED, EVEN_M, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group, q_mid,
+                                         q_end, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False,
+                                         True, GROUPED, EVEN_M, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
             else:
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh,
-                                         stride_doh, stride_qt, stride_dot, group, start_n + BLOCK_N, N_CTX, N_CTX,
-                                         qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, GROUPED,
-                                         EVEN_M, EVEN_D, DOT_PRECISION)
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh,
+                                         stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group,
+                                         start_n + BLOCK_N, N_CTX, N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM,
+                                         BLOCK_M, False, False, GROUPED, EVEN_M, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
         else:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_doh,
-                                     stride_qt, stride_dot, group, 0, N_CTX, N_CTX, qk_scale, window, offs_n, offs_d,
-                                     HEAD_DIM, BLOCK_M, False, False, GROUPED, EVEN_M, EVEN_D, DOT_PRECISION)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qh,
+                                     stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group, 0, N_CTX,
+                                     N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, False, False, GROUPED,
+                                     EVEN_M, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
         return dk, dv
 
     @triton.jit
@@ -426,15 +442,19 @@ if triton is not None:
                          stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                          stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
                          H, N_CTX, group, window, COS, SIN, stride_cb, stride_ct, dk_offset, dv_offset,
+                         DQA, stride_dqab, stride_dqah, stride_dqat,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                          GROUPED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, PACKED: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, PACKED: tl.constexpr,
+                         ATOMIC_DQ: tl.constexpr):
         # One program per (key tile, batch * kv head). PACKED: dk and dv are blocks of one buffer,
         # DK; DV is then not used (see _launch_backward). GROUPED (grouped-query attention,
         # `group` > 1 query heads per kv head): the program streams over the query tiles of each
         # of its group's heads, summing into one dK/dV tile: no per-query-head copy of dK/dV, and
-        # a fixed order of summation.
+        # a fixed order of summation. ATOMIC_DQ: the program also adds each query tile's share of
+        # dQ (dS·K) into the float32 (B, H, T, D) buffer DQA, so no dQ kernel runs (see
+        # _launch_backward); the order of those additions, and so dQ's last bits, vary by run.
         # Under causality the early key tiles see the most queries; they are launched first.
         start_n = tl.program_id(0) * BLOCK_N
         off_bhk = tl.program_id(1)
@@ -461,9 +481,10 @@ if triton is not None:
         dk, dv = _bwd_dkdv_head(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
                                 DO + off_b * stride_dob + off_h * stride_doh,
                                 LSE + (off_b * H + off_h) * N_CTX, DELTA + (off_b * H + off_h) * N_CTX,
-                                stride_qh, stride_doh, stride_qt, stride_dot, group, start_n, N_CTX, qk_scale, window,
-                                offs_n, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOWED, GROUPED,
-                                EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+                                DQA + off_b * stride_dqab + off_h * stride_dqah,
+                                stride_qh, stride_doh, stride_qt, stride_dot, stride_dqah, stride_dqat, group, start_n,
+                                N_CTX, qk_scale, window, offs_n, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                WINDOWED, GROUPED, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, ATOMIC_DQ)
         dk = dk * sm_scale
         if ROPE:  # k was rotated before attention: its gradient is rotated back here, in registers
             dk = _rope_transpose(dk, COS, SIN, off_b, stride_cb, stride_ct, offs_n, N_CTX, HEAD_DIM,
@@ -598,7 +619,7 @@ if triton is not None:
     _DQ_TILES = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
     _TUNE_KEY = ["N_CTX", "HEAD_DIM", "IS_CAUSAL", "WINDOWED"]
 
-    def _tuner(kernel, tiles, divides: str, big_d: bool, key=tuple(_TUNE_KEY)):
+    def _tuner(kernel, tiles, divides: str, big_d: bool, key=tuple(_TUNE_KEY), reset_to_zero=None):
         # The split into masked/unmasked causal ranges needs one tile size to divide the other;
         # head dim 128 tiles of 128x128 with deep pipelines do not fit in shared memory. The
         # configs are pruned here, per head-dim class, rather than by a prune_configs_by hook,
@@ -609,12 +630,17 @@ if triton is not None:
                 if (m % n if divides == "n|m" else n % m) == 0 and not (big_d and m * n > 128 * 64 and s > 2)]
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                    for m, n, w, s in keep or tiles[:1]]
-        return triton.autotune(configs, key=list(key))(kernel)
+        return triton.autotune(configs, key=list(key), reset_to_zero=reset_to_zero)(kernel)
 
     _fwd_tuned = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=False)
     _fwd_tuned_big_d = _tuner(_fwd_kernel, _FWD_TILES, "n|m", big_d=True)
     _dkdv_tuned = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=False, key=_TUNE_KEY + ["GROUPED"])
     _dkdv_tuned_big_d = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=True, key=_TUNE_KEY + ["GROUPED"])
+    # the five-matmul backward (ATOMIC_DQ): its float32 dQ buffer is zeroed before every trial
+    _dkdv_atomic_tuned = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=False, key=_TUNE_KEY + ["GROUPED"],
+                                reset_to_zero=["DQA"])
+    _dkdv_atomic_tuned_big_d = _tuner(_bwd_dkdv_kernel, _DKDV_TILES, "m|n", big_d=True, key=_TUNE_KEY + ["GROUPED"],
+                                      reset_to_zero=["DQA"])
     _dq_tuned = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=False)
     _dq_tuned_big_d = _tuner(_bwd_dq_kernel, _DQ_TILES, "n|m", big_d=True)
 
@@ -646,6 +672,31 @@ def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
 # every tl.constexpr passed by keyword: traced by torch.compile, that call becomes a
 # triton_kernel_wrapper HOP that Inductor launches itself; run eagerly it is a plain launch.
 
+# How the backward gets dQ: "recompute" (a dQ kernel streaming over key tiles recomputes P and dP:
+# seven matmuls a tile pair, no atomics, a fixed order) or "atomic" (the dK/dV kernel also forms
+# dS·K and adds it into a float32 buffer: five matmuls, dQ's rounding order varies by run).
+# Set with `backward_dq`; read when a backward is launched (under torch.compile, when traced).
+_BACKWARD_DQ = "recompute"
+
+
+def backward_dq(mode: str | None = None) -> str:
+    """The backward's dQ mode ("recompute" or "atomic", see above), after setting it to `mode`."""
+    global _BACKWARD_DQ
+    if mode is not None:
+        if mode not in ("recompute", "atomic"):
+            raise ValueError(f"backward_dq mode must be 'recompute' or 'atomic', got {mode!r}")
+        _BACKWARD_DQ = mode
+    return _BACKWARD_DQ
+
+
+def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`_rope_transpose` in torch: g (B, H, T, D) rotated back by the (T, D/2) or (B, T, D/2) tables."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    even, odd = g[..., 0::2], g[..., 1::2]
+    return torch.stack((cos * even + sin * odd, cos * odd - sin * even), dim=-1).flatten(-2)
+
+
 def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool,
                     tiles: tuple[int, int, int, int] | None = None, window: int | None = None) -> None:
     # tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with instead of the tuned or
@@ -671,7 +722,8 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                      packed: torch.Tensor | None = None,
                      tiles: dict[str, tuple[int, int, int, int]] | None = None,
-                     window: int | None = None) -> None:
+                     window: int | None = None, atomic_dq: bool | None = None) -> None:
+    # atomic_dq: the five-matmul backward (`backward_dq`; None: the module's setting).
     # tiles: {"dq": ..., "dkdv": ...} (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with
     # instead of the tuned or fixed ones (benchmarks/attention_tiles.py sweeps them).
     # rope: the (cos, sin) tables, (T, D/2) or (B, T, D/2) float32, by which q and k were rotated;
@@ -698,26 +750,48 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     if tiles is not None:
         autotune = False
     tiles = {**_fixed_tiles(q.dtype, block_d), **(tiles or {})}
-    delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
+    if atomic_dq is None:
+        atomic_dq = _BACKWARD_DQ == "atomic"
+    if atomic_dq:  # D = rowsum(dO·O) here, and dQ summed into float32 by the dK/dV kernel
+        delta = (do.float() * o.float()).sum(-1)
+        dqa = torch.zeros(B, H, T, D, device=q.device, dtype=torch.float32)
+    else:
+        delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
+        dqa = lse  # never read
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if packed is not None:  # DV is then a stand-in the kernel never touches
         grads = (packed, packed, q)
         offsets = tuple(t.storage_offset() - packed.storage_offset() for t in (dq, dk, dv))
     dkdv_args = (q, k, v, do, grads[1], grads[2], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-                 *_strides(do), *_strides(dk), *_strides(dv), *heads, *rope_args, offsets[1], offsets[2])
+                 *_strides(do), *_strides(dk), *_strides(dv), *heads, *rope_args, offsets[1], offsets[2],
+                 dqa, *(_strides(dqa) if atomic_dq else (0, 0, 0)))
     dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     dq_args = (q, k, v, do, o, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
                *_strides(do), *_strides(o), *_strides(dq), *heads, *rope_args, offsets[0])
     dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    if atomic_dq:
+        with _device(q):
+            if autotune:
+                kernel = _dkdv_atomic_tuned_big_d if block_d > 64 else _dkdv_atomic_tuned
+                wrap_triton(kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True,
+                                               ATOMIC_DQ=True)
+            else:
+                wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta,
+                                                         **_fixed_meta(tiles["dkdv"], T), ATOMIC_DQ=True)
+        dqa = dqa * sm_scale
+        dq.copy_(dqa if rope is None else _unrotate(dqa, *rope))
+        return
     with _device(q):  # dQ first: it computes D = rowsum(dO * O), which the dK/dV kernel reads
         if autotune:
             dkdv_kernel = _dkdv_tuned_big_d if block_d > 64 else _dkdv_tuned
             dq_kernel = _dq_tuned_big_d if block_d > 64 else _dq_tuned
             wrap_triton(dq_kernel)[dq_grid](*dq_args, **common, EVEN_M=True, EVEN_N=True)
-            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True)
+            wrap_triton(dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, EVEN_M=True, EVEN_N=True,
+                                                ATOMIC_DQ=False)
         else:
             wrap_triton(_bwd_dq_kernel)[dq_grid](*dq_args, **common, **_fixed_meta(tiles["dq"], T))
-            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, **_fixed_meta(tiles["dkdv"], T))
+            wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta, **_fixed_meta(tiles["dkdv"], T),
+                                                     ATOMIC_DQ=False)
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
