@@ -51,7 +51,8 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
         def step():
             out = fn(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), g)
-    before = backward_dq(dq)
+    before = backward_dq()
+    backward_dq(dq)
     try:
         return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
     finally:
@@ -62,7 +63,8 @@ def _atomic_dq_error(q, k, v, g, causal) -> float:
     """The largest relative error of the five-matmul backward's gradients against the default's."""
     out = FlashAttentionTriton.apply(q, k, v, causal)
     expected = torch.autograd.grad(out, (q, k, v), g)
-    before = backward_dq("atomic")
+    before = backward_dq()
+    backward_dq("atomic")
     try:
         got = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (q, k, v), g)
     finally:

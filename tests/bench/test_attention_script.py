@@ -1,0 +1,27 @@
+"""benchmarks/attention.py's `--atomic-dq` helpers leave the backward's dQ mode as they found it."""
+
+import torch
+
+from scratchlm.kernels import flash_attention_triton as fa
+from tests.bench.test_scripts import load
+
+
+def test_atomic_dq_timing_helpers_restore_the_mode():
+    script = load("attention")
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 16, 8)
+    assert fa.backward_dq() == "recompute"
+    # on the CPU the op takes the torch path, so the two backwards agree exactly
+    assert script._atomic_dq_error(q, k, v, g, True) < 1e-6
+    assert fa.backward_dq() == "recompute"
+    fa.backward_dq("atomic")
+    try:
+        script._atomic_dq_error(q, k, v, g, False)
+        assert fa.backward_dq() == "atomic"
+    finally:
+        fa.backward_dq("recompute")
+
+
+def test_atomic_dq_is_a_documented_option():
+    args = load("attention").build_parser().parse_args(["--modes", "forward_backward", "--atomic-dq"])
+    assert args.atomic_dq and args.modes == ["forward_backward"]
