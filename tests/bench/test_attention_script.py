@@ -14,12 +14,12 @@ def test_atomic_dq_timing_helpers_restore_the_mode():
     # on the CPU the op takes the torch path, so the two backwards agree exactly
     assert script._atomic_dq_error(q, k, v, g, True) < 1e-6
     assert fa.backward_dq() == "recompute"
-    fa.backward_dq("atomic")
+    fa.set_backward_dq("atomic")
     try:
         script._atomic_dq_error(q, k, v, g, False)
         assert fa.backward_dq() == "atomic"
     finally:
-        fa.backward_dq("recompute")
+        fa.set_backward_dq("recompute")
 
 
 def test_atomic_dq_is_a_documented_option():

@@ -1,4 +1,4 @@
-"""The five-matmul backward (`backward_dq("atomic")`): the dK/dV kernel also adds dS·K into a float32
+"""The five-matmul backward (`set_backward_dq("atomic")`): the dK/dV kernel also adds dS·K into a float32
 dQ, and no dQ kernel runs. Its gradients must be the recomputing backward's, in every mode the
 kernels have (causal or not, grouped-query heads, sliding windows, ragged lengths, the packed
 q|k|v gradient with RoPE undone).
@@ -29,20 +29,22 @@ def atomic():
 
     class Switch:
         def __enter__(self):
-            fa.backward_dq("atomic")
+            self.replaced = fa.set_backward_dq("atomic")
 
         def __exit__(self, *exc):
-            fa.backward_dq(before)
+            fa.set_backward_dq(self.replaced)
 
     yield Switch
-    fa.backward_dq(before)
+    fa.set_backward_dq(before)
 
 
 def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
     assert fa.backward_dq() == "recompute"
     with pytest.raises(ValueError, match="'recompute' or 'atomic', got 'atomics'"):
-        fa.backward_dq("atomics")
+        fa.set_backward_dq("atomics")
     assert fa.backward_dq() == "recompute"
+    assert fa.set_backward_dq("atomic") == "recompute"  # the mode it replaces
+    assert fa.set_backward_dq("recompute") == "atomic" and fa.backward_dq() == "recompute"
 
 
 def test_unrotate_is_the_gradient_of_the_rotation():

@@ -12,7 +12,7 @@ reference the tests compare against); this file is the fast version:
 - backward, FA2 style and without atomics: a dQ kernel owns one query tile and streams over
   key tiles; it first computes its rows' ``D = rowsum(dO * O)`` (no separate pass over dO and
   O) and stores it for the dK/dV kernel, launched after it, which owns one key tile and streams
-  over query tiles. Each output tile is written exactly once. ``backward_dq("atomic")`` switches
+  over query tiles. Each output tile is written exactly once. ``set_backward_dq("atomic")`` switches
   to the five-matmul form instead: the dK/dV kernel also adds each query tile's dS·K into a
   float32 dQ with atomic adds, and no dQ kernel runs (see ``_BACKWARD_DQ``).
 - grouped-query attention: k and v may have Hkv heads for q's H (H a multiple of Hkv, q head h
@@ -75,7 +75,8 @@ from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, triton_available, wrap_triton
 from scratchlm.model.rope import apply_rope
 
-__all__ = ["FlashAttentionTriton", "backward_dq", "flash_attention", "flash_attention_qkv", "triton_available"]
+__all__ = ["FlashAttentionTriton", "backward_dq", "flash_attention", "flash_attention_qkv", "set_backward_dq",
+           "triton_available"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -675,18 +676,22 @@ def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
 # How the backward gets dQ: "recompute" (a dQ kernel streaming over key tiles recomputes P and dP:
 # seven matmuls a tile pair, no atomics, a fixed order) or "atomic" (the dK/dV kernel also forms
 # dS·K and adds it into a float32 buffer: five matmuls, dQ's rounding order varies by run).
-# Set with `backward_dq`; read when a backward is launched (under torch.compile, when traced).
+# Set with `set_backward_dq`; read when a backward is launched (under torch.compile, when traced).
 _BACKWARD_DQ = "recompute"
 
 
-def backward_dq(mode: str | None = None) -> str:
-    """The backward's dQ mode ("recompute" or "atomic", see above), after setting it to `mode`."""
-    global _BACKWARD_DQ
-    if mode is not None:
-        if mode not in ("recompute", "atomic"):
-            raise ValueError(f"backward_dq mode must be 'recompute' or 'atomic', got {mode!r}")
-        _BACKWARD_DQ = mode
+def backward_dq() -> str:
+    """The backward's dQ mode: "recompute" (the default) or "atomic" (see `_BACKWARD_DQ`)."""
     return _BACKWARD_DQ
+
+
+def set_backward_dq(mode: str) -> str:
+    """Set the backward's dQ mode to "recompute" or "atomic"; returns the mode it replaces."""
+    global _BACKWARD_DQ
+    if mode not in ("recompute", "atomic"):
+        raise ValueError(f"backward_dq mode must be 'recompute' or 'atomic', got {mode!r}")
+    before, _BACKWARD_DQ = _BACKWARD_DQ, mode
+    return before
 
 
 def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -723,7 +728,7 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
                      packed: torch.Tensor | None = None,
                      tiles: dict[str, tuple[int, int, int, int]] | None = None,
                      window: int | None = None, atomic_dq: bool | None = None) -> None:
-    # atomic_dq: the five-matmul backward (`backward_dq`; None: the module's setting).
+    # atomic_dq: the five-matmul backward (None: the module's setting, `set_backward_dq`).
     # tiles: {"dq": ..., "dkdv": ...} (BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with
     # instead of the tuned or fixed ones (benchmarks/attention_tiles.py sweeps them).
     # rope: the (cos, sin) tables, (T, D/2) or (B, T, D/2) float32, by which q and k were rotated;
