@@ -29,3 +29,18 @@ def test_every_variant_is_a_valid_scratchlm_configuration(name):
 def test_model_kwargs_drop_the_batch():
     assert "batch" not in model_kwargs(SHAPES["gpt2small"])
     assert model_kwargs(SHAPES["gpt2small"])["d_model"] == 768
+
+
+def test_the_atomic_dq_variant_runs_each_step_in_that_mode_and_restores_it():
+    from scratchlm.bench.training_step import _with_atomic_dq
+    from scratchlm.kernels.flash_attention_triton import backward_dq
+
+    seen = []
+    _with_atomic_dq(lambda: seen.append(backward_dq()))()
+    assert seen == ["atomic"] and backward_dq() == "recompute"
+
+    def fails():
+        raise RuntimeError("out of memory")
+    with pytest.raises(RuntimeError):
+        _with_atomic_dq(fails)()
+    assert backward_dq() == "recompute"

@@ -71,6 +71,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cudagraphs_unpacked_qkv": ("scratchlm (cudagraphs variant, q/k/v backward per projection)",
                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
                                      packed_qkv_backward=False)),
+    # "cudagraphs" with the attention's five-matmul backward (flash_attention_triton.set_backward_dq)
+    "cudagraphs_atomic_dq": ("scratchlm (cudagraphs variant, five-matmul attention backward)",
+                             dict(optimizer="triton", fused_head=True, mode="reduce-overhead", atomic_dq=True)),
 }
 
 
@@ -143,11 +146,25 @@ def make_reference(shape: dict[str, int], holder: dict, compile_loss: bool) -> M
     return make
 
 
+def _with_atomic_dq(step: Callable[[], None]) -> Callable[[], None]:
+    from scratchlm.kernels.flash_attention_triton import set_backward_dq
+
+    def run() -> None:
+        before = set_backward_dq("atomic")
+        try:
+            step()
+        finally:
+            set_backward_dq(before)
+    return run
+
+
 def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_head: bool = False,
                    mode: str = "default", compile_loss: bool = False, fused_projections: bool = True,
-                   packed_qkv_backward: bool = True, fp8: bool = False) -> Maker:
+                   packed_qkv_backward: bool = True, fp8: bool = False, atomic_dq: bool = False) -> Maker:
     """scratchlm's compiled step in one `VARIANTS` configuration. ``optimizer``: "scratchlm"
-    (multi-tensor AdamW), "torch_fused" or "triton" (scratchlm's AdamW with fused=True)."""
+    (multi-tensor AdamW), "torch_fused" or "triton" (scratchlm's AdamW with fused=True).
+    ``atomic_dq``: every call of the step (so its tracing too) runs with the attention's
+    five-matmul backward, the setting restored after each."""
     from scratchlm.optim.adamw import AdamW
 
     def make(x, y):
@@ -170,6 +187,8 @@ def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_he
             step = step_fn(m, opt, x, y, torch.compile(plain_loss, mode=mode))
         else:
             step = step_fn(torch.compile(m, mode=mode), opt, x, y, plain_loss)
+        if atomic_dq:
+            step = _with_atomic_dq(step)
         if mode != "reduce-overhead":
             return step
 
