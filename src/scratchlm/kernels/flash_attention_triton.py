@@ -332,8 +332,8 @@ if triton is not None:
                        EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ATOMIC_DQ: tl.constexpr):
         # (dk, dv) of the key tile plus the share of the query tile at start_m of one head. With
-        # ATOMIC_DQ the tile's share of dQ (dS·K, unscaled) is added into the float32 rows at
-        # dqa_base too: the fifth matmul, in place of the dQ kernel's recomputation of P and dP.
+        # ATOMIC_DQ the tile's share of dQ (dS·K times the softmax scale) is added into the float32
+        # rows at dqa_base too: the fifth matmul, in place of the dQ kernel's recomputation of P and dP.
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
         qt_ptrs = q_base + rows[None, :] * stride_qt + offs_d[:, None]  # (D, BM)
@@ -363,7 +363,7 @@ if triton is not None:
         dst = (pt * (dpt - delta[None, :])).to(qt.dtype)
         dk = tl.dot(dst, tl.trans(qt), dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)  # (BM, D)
+            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * (qk_scale * 0.6931471805599453)
             dqa_ptrs = dqa_base + rows[:, None] * stride_dqat + offs_d[None, :]
             if EVEN_M and EVEN_D:
                 tl.atomic_add(dqa_ptrs, dq, sem="relaxed")
@@ -612,6 +612,24 @@ if triton is not None:
         else:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)
 
+    @triton.jit
+    def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot,
+                          H, N_CTX, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        # D = rowsum(dO * O) in float32 for the rows of one tile of one (batch, head): what the
+        # dQ kernel computes first, for the five-matmul backward, which has no dQ kernel.
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_m[:, None] < N_CTX) & (offs_d[None, :] < HEAD_DIM)
+        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                    mask=mask, other=0.0)
+        do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                     mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, delta, mask=offs_m < N_CTX)
+
     # (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen for Hopper (H100/H200). No tile is larger
     # than _TUNE_MULTIPLE, so on the lengths that are tuned (multiples of it) every config has
     # EVEN_M and EVEN_N, passed as plain arguments.
@@ -757,9 +775,12 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     tiles = {**_fixed_tiles(q.dtype, block_d), **(tiles or {})}
     if atomic_dq is None:
         atomic_dq = _BACKWARD_DQ == "atomic"
-    if atomic_dq:  # D = rowsum(dO·O) here, and dQ summed into float32 by the dK/dV kernel
-        delta = (do.float() * o.float()).sum(-1)
+    if atomic_dq:  # D = rowsum(dO·O) by its own kernel, and dQ summed into float32 by the dK/dV kernel
+        delta = torch.empty_like(lse)
         dqa = torch.zeros(B, H, T, D, device=q.device, dtype=torch.float32)
+        with _device(q):
+            wrap_triton(_bwd_delta_kernel)[(triton.cdiv(T, 64), B * H)](
+                o, do, delta, *_strides(o), *_strides(do), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d)
     else:
         delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
         dqa = lse  # never read
@@ -783,7 +804,6 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
             else:
                 wrap_triton(_bwd_dkdv_kernel)[dkdv_grid](*dkdv_args, **common, **dkdv_meta,
                                                          **_fixed_meta(tiles["dkdv"], T), ATOMIC_DQ=True)
-        dqa = dqa * sm_scale
         dq.copy_(dqa if rope is None else _unrotate(dqa, *rope))
         return
     with _device(q):  # dQ first: it computes D = rowsum(dO * O), which the dK/dV kernel reads
