@@ -713,11 +713,11 @@ def set_backward_dq(mode: str) -> str:
 
 
 def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`_rope_transpose` in torch: g (B, H, T, D) rotated back by the (T, D/2) or (B, T, D/2) tables."""
+    """`_rope_transpose` in torch: g (B, H, T, D) rotated back (by minus the angles) by the
+    (T, D/2) or (B, T, D/2) tables."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    even, odd = g[..., 0::2], g[..., 1::2]
-    return torch.stack((cos * even + sin * odd, cos * odd - sin * even), dim=-1).flatten(-2)
+    return apply_rope(g, cos, -sin)
 
 
 def _launch_forward(q, k, v, o, lse, is_causal: bool, *, autotune: bool,
