@@ -7,7 +7,7 @@ not, forward and forward+backward. TFLOP/s counts 4·B·H·T²·d for the forwar
 causal) and 2.5x that for the backward; times are medians of triton.testing.do_bench.
 `--kv-heads N` gives k and v N heads (grouped-query attention; SDPA then runs with enable_gqa=True).
 `--atomic-dq` adds, for forward+backward, scratchlm's kernels with the five-matmul backward
-(`flash_attention_triton.set_backward_dq("atomic")`: dQ added into float32 by the dK/dV kernel, no dQ
+(`flash_attention_triton.using_backward_dq("atomic")`: dQ added into float32 by the dK/dV kernel, no dQ
 kernel) and its ratio to the default backward (`x recompute`), checking its gradients first.
 """
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scratchlm.bench.results import environment, ratio, write_json
-from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, set_backward_dq
+from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, using_backward_dq
 from scratchlm.model.accounting import attention_flops
 
 
@@ -51,22 +51,16 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
         def step():
             out = fn(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), g)
-    before = set_backward_dq(dq)
-    try:
+    with using_backward_dq(dq):
         return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
-    finally:
-        set_backward_dq(before)
 
 
 def _atomic_dq_error(q, k, v, g, causal) -> float:
     """The largest relative error of the five-matmul backward's gradients against the default's."""
     out = FlashAttentionTriton.apply(q, k, v, causal)
     expected = torch.autograd.grad(out, (q, k, v), g)
-    before = set_backward_dq("atomic")
-    try:
+    with using_backward_dq("atomic"):
         got = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (q, k, v), g)
-    finally:
-        set_backward_dq(before)
     return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, expected))
 
 

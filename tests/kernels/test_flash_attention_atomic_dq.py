@@ -22,22 +22,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / (b.double().norm() + 1e-12)).item()
 
 
-@pytest.fixture
-def atomic():
-    """Runs the test body's `with atomic():` blocks with the atomic mode, restoring the setting."""
-    before = fa.backward_dq()
-
-    class Switch:
-        def __enter__(self):
-            self.replaced = fa.set_backward_dq("atomic")
-
-        def __exit__(self, *exc):
-            fa.set_backward_dq(self.replaced)
-
-    yield Switch
-    fa.set_backward_dq(before)
-
-
 def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
     assert fa.backward_dq() == "recompute"
     with pytest.raises(ValueError, match="'recompute' or 'atomic', got 'atomics'"):
@@ -45,6 +29,10 @@ def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
     assert fa.backward_dq() == "recompute"
     assert fa.set_backward_dq("atomic") == "recompute"  # the mode it replaces
     assert fa.set_backward_dq("recompute") == "atomic" and fa.backward_dq() == "recompute"
+    with pytest.raises(RuntimeError), fa.using_backward_dq("atomic"):
+        assert fa.backward_dq() == "atomic"
+        raise RuntimeError("the block fails")
+    assert fa.backward_dq() == "recompute"
 
 
 def test_unrotate_is_the_gradient_of_the_rotation():
@@ -68,13 +56,13 @@ CASES = [(1, 2, 2, 70, 32, True, None), (2, 2, 2, 64, 16, False, None), (1, 4, 2
 
 @needs_kernels
 @pytest.mark.parametrize("B,H,Hkv,T,D,causal,window", CASES)
-def test_atomic_dq_gives_the_recomputing_backwards_gradients(atomic, B, H, Hkv, T, D, causal, window):
+def test_atomic_dq_gives_the_recomputing_backwards_gradients(B, H, Hkv, T, D, causal, window):
     torch.manual_seed(T)
     q, do = (torch.randn(B, H, T, D, device=DEVICE) for _ in range(2))
     k, v = (torch.randn(B, Hkv, T, D, device=DEVICE) for _ in range(2))
     o, lse = fa._forward_triton(q, k, v, causal, window)
     expected = fa._backward_triton(do, q, k, v, o, lse, causal, window)
-    with atomic():
+    with fa.using_backward_dq("atomic"):
         got = fa._backward_triton(do, q, k, v, o, lse, causal, window)
     for a, b in zip(got, expected):
         assert a.shape == b.shape and a.stride() == b.stride()
@@ -84,7 +72,7 @@ def test_atomic_dq_gives_the_recomputing_backwards_gradients(atomic, B, H, Hkv, 
 @needs_kernels
 @pytest.mark.parametrize("per_sequence_positions", [False, True])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_atomic_dq_in_the_packed_qkv_backward_with_rope(atomic, per_sequence_positions, kv_heads):
+def test_atomic_dq_in_the_packed_qkv_backward_with_rope(per_sequence_positions, kv_heads):
     from scratchlm.model.rope import RotaryEmbedding
 
     torch.manual_seed(1)
@@ -100,7 +88,7 @@ def test_atomic_dq_in_the_packed_qkv_backward_with_rope(atomic, per_sequence_pos
         return torch.autograd.grad(out, qkv, g)[0]
 
     expected = grad()
-    with atomic():
+    with fa.using_backward_dq("atomic"):
         got = grad()
     assert got.shape == qkv.shape
     assert _rel(got, expected) < 1e-5
@@ -110,14 +98,14 @@ def test_atomic_dq_in_the_packed_qkv_backward_with_rope(atomic, per_sequence_pos
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_atomic_dq_autotuned_bf16_matches_the_recomputing_backward(atomic, causal, head_dim):
+def test_atomic_dq_autotuned_bf16_matches_the_recomputing_backward(causal, head_dim):
     # T = 1024 in bf16 takes the autotuned tiles: the atomic kernel's trials zero its dQ buffer
     torch.manual_seed(0)
     q, do = (torch.randn(2, 4, 1024, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 4, 1024, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     o, lse = fa._forward_triton(q, k, v, causal, None)
     expected = fa._backward_triton(do, q, k, v, o, lse, causal, None)
-    with atomic():
+    with fa.using_backward_dq("atomic"):
         got = fa._backward_triton(do, q, k, v, o, lse, causal, None)
         again = fa._backward_triton(do, q, k, v, o, lse, causal, None)
     for a, b, c in zip(got, expected, again):

@@ -71,7 +71,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cudagraphs_unpacked_qkv": ("scratchlm (cudagraphs variant, q/k/v backward per projection)",
                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
                                      packed_qkv_backward=False)),
-    # "cudagraphs" with the attention's five-matmul backward (flash_attention_triton.set_backward_dq)
+    # "cudagraphs" with the attention's five-matmul backward (flash_attention_triton.using_backward_dq)
     "cudagraphs_atomic_dq": ("scratchlm (cudagraphs variant, five-matmul attention backward)",
                              dict(optimizer="triton", fused_head=True, mode="reduce-overhead", atomic_dq=True)),
 }
@@ -147,14 +147,11 @@ def make_reference(shape: dict[str, int], holder: dict, compile_loss: bool) -> M
 
 
 def _with_atomic_dq(step: Callable[[], None]) -> Callable[[], None]:
-    from scratchlm.kernels.flash_attention_triton import set_backward_dq
+    from scratchlm.kernels.flash_attention_triton import using_backward_dq
 
     def run() -> None:
-        before = set_backward_dq("atomic")
-        try:
+        with using_backward_dq("atomic"):
             step()
-        finally:
-            set_backward_dq(before)
     return run
 
 

@@ -57,7 +57,9 @@ Triton is imported under a guard (``triton_support``): importing this module wit
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -76,7 +78,7 @@ from scratchlm.kernels.triton_support import tl, triton, triton_available, wrap_
 from scratchlm.model.rope import apply_rope
 
 __all__ = ["FlashAttentionTriton", "backward_dq", "flash_attention", "flash_attention_qkv", "set_backward_dq",
-           "triton_available"]
+           "triton_available", "using_backward_dq"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -712,6 +714,16 @@ def set_backward_dq(mode: str) -> str:
     return before
 
 
+@contextlib.contextmanager
+def using_backward_dq(mode: str) -> Iterator[None]:
+    """The backward's dQ mode set to `mode` inside the `with` block, the one before restored after."""
+    before = set_backward_dq(mode)
+    try:
+        yield
+    finally:
+        set_backward_dq(before)
+
+
 def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`_rope_transpose` in torch: g (B, H, T, D) rotated back (by minus the angles) by the
     (T, D/2) or (B, T, D/2) tables."""
@@ -775,14 +787,15 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
     tiles = {**_fixed_tiles(q.dtype, block_d), **(tiles or {})}
     if atomic_dq is None:
         atomic_dq = _BACKWARD_DQ == "atomic"
-    if atomic_dq:  # D = rowsum(dO·O) by its own kernel, and dQ summed into float32 by the dK/dV kernel
-        delta = torch.empty_like(lse)
+    # D = rowsum(dO·O), read by the dK/dV kernel: written by the dQ kernel, or with atomic_dq by
+    # its own kernel (dQ is then summed into float32 by the dK/dV kernel)
+    delta = torch.empty_like(lse)
+    if atomic_dq:
         dqa = torch.zeros(B, H, T, D, device=q.device, dtype=torch.float32)
         with _device(q):
             wrap_triton(_bwd_delta_kernel)[(triton.cdiv(T, 64), B * H)](
                 o, do, delta, *_strides(o), *_strides(do), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d)
     else:
-        delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
         dqa = lse  # never read
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if packed is not None:  # DV is then a stand-in the kernel never touches
