@@ -32,9 +32,8 @@ share of the copy bandwidth, and PDL's ratio. No torch.compile is involved, so t
 `--sweep` instead times `decode_linear` with every tile choice (BLOCK_N in 2..16, BLOCK_K in
 128..2048, num_warps in 2..8, at most 16,384 product terms a program) in place of `blocks_for`'s,
 and prints the fastest per projection and row count: how `blocks_for`'s rule was chosen. With
-`--only-layers` it times the layer stack
-with each number of attention splits at few programs (`SPLITS_WHEN_FEW` in 1..16) at 64, 192, 320
-and 1,024 cached positions instead.
+`--only-layers` it times the layer stack with each number of attention splits at few programs
+(`SPLITS_WHEN_FEW` in 1..16) at 64, 192, 320 and 1,024 cached positions instead.
 """
 
 from __future__ import annotations
