@@ -35,6 +35,19 @@ def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
     assert fa.backward_dq() == "recompute"
 
 
+def test_deterministic_algorithms_keep_the_recomputing_backward():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        with fa.using_backward_dq("atomic"):
+            assert fa._atomic_dq_selected()
+            torch.use_deterministic_algorithms(True)
+            assert not fa._atomic_dq_selected()
+        torch.use_deterministic_algorithms(False)
+        assert not fa._atomic_dq_selected()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def test_unrotate_is_the_gradient_of_the_rotation():
     from scratchlm.model.rope import apply_rope
 

@@ -706,7 +706,10 @@ def backward_dq() -> str:
 
 
 def set_backward_dq(mode: str) -> str:
-    """Set the backward's dQ mode to "recompute" or "atomic"; returns the mode it replaces."""
+    """Set the backward's dQ mode to "recompute" or "atomic"; returns the mode it replaces.
+
+    "atomic" is not bitwise reproducible: while torch.use_deterministic_algorithms(True) is on,
+    backwards recompute dQ in either mode."""
     global _BACKWARD_DQ
     if mode not in ("recompute", "atomic"):
         raise ValueError(f"backward_dq mode must be 'recompute' or 'atomic', got {mode!r}")
@@ -722,6 +725,12 @@ def using_backward_dq(mode: str) -> Iterator[None]:
         yield
     finally:
         set_backward_dq(before)
+
+
+def _atomic_dq_selected() -> bool:
+    # The atomic adds' order varies by run, so under torch.use_deterministic_algorithms(True)
+    # (`trainer.deterministic`) the backward recomputes dQ whatever the mode.
+    return _BACKWARD_DQ == "atomic" and not torch.are_deterministic_algorithms_enabled()
 
 
 def _unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -786,7 +795,7 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
         autotune = False
     tiles = {**_fixed_tiles(q.dtype, block_d), **(tiles or {})}
     if atomic_dq is None:
-        atomic_dq = _BACKWARD_DQ == "atomic"
+        atomic_dq = _atomic_dq_selected()
     # D = rowsum(dO·O), read by the dK/dV kernel: written by the dQ kernel, or with atomic_dq by
     # its own kernel (dQ is then summed into float32 by the dK/dV kernel)
     delta = torch.empty_like(lse)
