@@ -36,8 +36,9 @@ def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
 
 
 def test_deterministic_algorithms_keep_the_recomputing_backward():
-    before = torch.are_deterministic_algorithms_enabled()
+    before = torch.are_deterministic_algorithms_enabled()  # a deterministic training run may have set it
     try:
+        torch.use_deterministic_algorithms(False)
         with fa.using_backward_dq("atomic"):
             assert fa._atomic_dq_selected()
             torch.use_deterministic_algorithms(True)
