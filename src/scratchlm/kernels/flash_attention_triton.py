@@ -814,9 +814,6 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
                  *_strides(do), *_strides(dk), *_strides(dv), *heads, *rope_args, offsets[1], offsets[2],
                  dqa, *(_strides(dqa) if atomic_dq else (0, 0, 0)))
     dkdv_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    dq_args = (q, k, v, do, o, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
-               *_strides(do), *_strides(o), *_strides(dq), *heads, *rope_args, offsets[0])
-    dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     if atomic_dq:
         with _device(q):
             if autotune:
@@ -828,6 +825,9 @@ def _launch_backward(do, q, k, v, o, dq, dk, dv, lse, is_causal: bool, *, autotu
                                                          **_fixed_meta(tiles["dkdv"], T), ATOMIC_DQ=True)
         dq.copy_(dqa if rope is None else _unrotate(dqa, *rope))
         return
+    dq_args = (q, k, v, do, o, grads[0], lse, delta, sm_scale, *_strides(q), *_strides(k), *_strides(v),
+               *_strides(do), *_strides(o), *_strides(dq), *heads, *rope_args, offsets[0])
+    dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     with _device(q):  # dQ first: it computes D = rowsum(dO * O), which the dK/dV kernel reads
         if autotune:
             dkdv_kernel = _dkdv_tuned_big_d if block_d > 64 else _dkdv_tuned
