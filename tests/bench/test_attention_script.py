@@ -14,12 +14,9 @@ def test_atomic_dq_timing_helpers_restore_the_mode():
     # on the CPU the op takes the torch path, so the two backwards agree exactly
     assert script._atomic_dq_error(q, k, v, g, True) < 1e-6
     assert fa.backward_dq() == "recompute"
-    fa.set_backward_dq("atomic")
-    try:
+    with fa.using_backward_dq("atomic"):
         script._atomic_dq_error(q, k, v, g, False)
         assert fa.backward_dq() == "atomic"
-    finally:
-        fa.set_backward_dq("recompute")
 
 
 def test_atomic_dq_is_a_documented_option():
