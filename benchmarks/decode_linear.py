@@ -260,9 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=int, default=320, help="cached positions a row for the attention peers")
     p.add_argument("--layers", type=int, help="fused layers a step for the layer-stack peers (default: the model's; "
                                               "0 leaves them out)")
-    only = p.add_mutually_exclusive_group()
-    only.add_argument("--only-layers", action="store_true", help="time the layer stacks only (with --sweep: "
-                                                                 "sweep the attention's splits)")
+    p.add_argument("--only-layers", action="store_true", help="time the layer stacks only (with --sweep: "
+                                                              "sweep the attention's splits)")
     p.add_argument("--sweep", action="store_true", help="time every tile choice instead of the peers")
     p.add_argument("--json")
     return p
