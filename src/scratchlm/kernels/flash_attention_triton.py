@@ -697,6 +697,7 @@ def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
 # seven matmuls a tile pair, no atomics, a fixed order) or "atomic" (the dK/dV kernel also forms
 # dS·K and adds it into a float32 buffer: five matmuls, dQ's rounding order varies by run).
 # Set with `set_backward_dq`; read when a backward is launched (under torch.compile, when traced).
+# "atomic" measured 0.80-1.03x "recompute" on an H100 (docs/benchmarks/attention.md), so it is opt-in.
 _BACKWARD_DQ = "recompute"
 
 
