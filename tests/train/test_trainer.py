@@ -52,6 +52,29 @@ def test_training_logs_checkpoints_evaluates_and_plots(cfg, tmp_path, capsys):
     assert "step      0 | val loss" in out and "mfu n/a" in out
 
 
+def test_a_deterministic_run_holds_the_deterministic_mode_only_while_it_trains(cfg, tmp_path, monkeypatch):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, deterministic=True, max_steps=2))
+    seen = []
+    step = trainer_mod.Trainer._train_step
+
+    def spy(self):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        step(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_train_step", spy)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        run_training(_with_out(cfg, tmp_path / "run"))
+        assert seen == [True, True]
+        assert not torch.are_deterministic_algorithms_enabled()  # as found, for the code after the run
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        run_training(_with_out(cfg, tmp_path / "again"))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_interrupted_and_resumed_run_logs_the_same_losses_bitwise(cfg, tmp_path, monkeypatch, deterministic):
     # On CPU this holds without deterministic mode too (README's resume note says so).

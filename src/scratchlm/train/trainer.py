@@ -101,7 +101,7 @@ _clock = time.perf_counter  # the training clock's time source (tests substitute
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "check_combinations", "seed_everything", "warmup_seq_len"]
+__all__ = ["Trainer", "check_combinations", "deterministic_algorithms", "seed_everything", "warmup_seq_len"]
 
 SEQ_LEN_STAGES = 4  # trainer.seq_len_warmup_steps: windows of 1/8, 1/4, 1/2, then all of context_length
 
@@ -147,14 +147,45 @@ def check_combinations(cfg: TrainConfig) -> None:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python's, NumPy's and torch's generators; with `deterministic`, also turn torch's
+    deterministic algorithms on (and cuDNN's autotuner off) for the rest of the process.
+
+    `Trainer` seeds with this but holds the deterministic mode only while `fit` runs
+    (`deterministic_algorithms`), so code after a run finds the modes it had before.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
-        # cuBLAS needs this workspace setting before its first use to be deterministic.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        _use_deterministic_algorithms()
+
+
+def _deterministic_cublas() -> None:
+    # cuBLAS needs this workspace setting before its first use to be deterministic.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def _use_deterministic_algorithms() -> None:
+    _deterministic_cublas()
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """Within the block, torch's deterministic algorithms on and cuDNN's autotuner off when `on`
+    (nothing changes otherwise); the modes found on entry are restored on exit."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark)
+    _use_deterministic_algorithms()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 class Trainer:
@@ -177,7 +208,9 @@ class Trainer:
         self.rank, self.world_size, self.is_main = strategy.rank, strategy.world_size, strategy.is_main
         self.device = strategy.device
         self.bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and self.device.type == "cuda")
-        seed_everything(tc.seed, tc.deterministic)
+        seed_everything(tc.seed, deterministic=False)
+        if tc.deterministic:  # before cuBLAS starts; the deterministic modes themselves are fit()'s
+            _deterministic_cublas()
 
         self.data = TrainData(cfg.data, cfg.model, batch_size=tc.batch_size // tc.grad_accum_steps,
                               seed=tc.seed, rank=self.rank, world_size=self.world_size)
@@ -294,7 +327,14 @@ class Trainer:
         evaluates and finishes (plots, samples) at the step it reached. On SIGINT or SIGTERM
         (see `scratchlm.train.interrupt`) it finishes the optimizer step in progress, checkpoints
         it and raises `TrainingInterrupted`; a second signal raises at once.
+
+        With `trainer.deterministic`, torch's deterministic algorithms are on while it runs and
+        the modes found before are restored when it returns or raises.
         """
+        with deterministic_algorithms(self.cfg.trainer.deterministic):
+            return self._fit(until, deadline)
+
+    def _fit(self, until: int | None, deadline: float | None) -> dict[str, Any]:
         tc = self.cfg.trainer
         if self.finished:
             log.info("%s already finished at step %d; nothing to do (raise trainer.max_steps%s to train on)",
