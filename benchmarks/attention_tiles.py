@@ -1,6 +1,7 @@
 """Tile sizes of the Triton attention kernels: every candidate config of each kernel, timed.
 
-    python benchmarks/attention_tiles.py [--shapes 4x16x4096x128 1x20x32768x128] [--json out.json]
+    python benchmarks/attention_tiles.py [--shapes 4x16x4096x128 1x20x32768x128] [--kernels fwd dq dkdv]
+        [--json out.json]
 
 Each shape is batch x heads x seq x head_dim, bf16, causal (`--noncausal` for the other case).
 For every shape it times, with `triton.testing.do_bench` (median):
@@ -9,7 +10,9 @@ For every shape it times, with `triton.testing.do_bench` (median):
 - the backward (dQ kernel, then dK/dV kernel) with the dQ kernel under each candidate and the
   dK/dV kernel at its autotuned config, then the dK/dV kernel under each candidate with the dQ
   kernel at the best dQ config found; differences between rows are the swept kernel's;
-- the autotuned configs themselves (what `FlashAttentionTriton` runs), for comparison.
+- the autotuned configs themselves (what `FlashAttentionTriton` runs), printed first, for comparison.
+
+`--kernels` sweeps only the named kernels; the others run at their autotuned configs.
 
 Configs that do not compile or do not fit (shared memory, registers) are listed as failed.
 The output of each config is checked against the autotuned path on the same inputs, so a
@@ -30,6 +33,7 @@ from scratchlm.kernels import flash_attention_triton as fa
 from scratchlm.model.accounting import attention_flops
 
 BLOCKS_M, BLOCKS_N, WARPS, STAGES = (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
+KERNELS = ("fwd", "dq", "dkdv")
 
 
 def candidates(kernel: str) -> list[tuple[int, int, int, int]]:
@@ -52,7 +56,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def sweep_shape(B, H, T, D, causal: bool) -> dict:
+def sweep_shape(B, H, T, D, causal: bool, kernels=KERNELS) -> dict:
     import triton
 
     q, k, v, do = _inputs(B, H, T, D)
@@ -67,8 +71,10 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
               "auto_fwd_ms": bench(lambda: fa._forward_triton(q, k, v, causal)),
               "auto_bwd_ms": bench(lambda: fa._backward_triton(do, q, k, v, o_ref, lse_ref, causal))}
     flops = attention_flops(B, H, T, D, causal, "forward")
+    chosen = {name.strip("_").removesuffix("_tuned_big_d" if D > 64 else "_tuned"): tiles
+              for name, tiles in auto.items() if name.endswith("_big_d") == (D > 64)}
     print(f"{B}x{H}x{T}x{D} causal={causal}: autotuned forward {result['auto_fwd_ms']:.3f} ms, "
-          f"backward {result['auto_bwd_ms']:.3f} ms", flush=True)
+          f"backward {result['auto_bwd_ms']:.3f} ms; configs {chosen}", flush=True)
     o, lse = fa._alloc_out(q), torch.empty_like(lse_ref)
 
     def fwd(tiles):
@@ -92,17 +98,17 @@ def sweep_shape(B, H, T, D, causal: bool) -> dict:
         return {"ms": ms, "rel_err_vs_auto": err}
 
     rows = {"fwd": [], "dq": [], "dkdv": []}
-    for t in candidates("fwd"):
+    for t in candidates("fwd") if "fwd" in kernels else ():
         r = timed(f"fwd {t}", lambda: fwd(t), lambda: max(_rel(o, o_ref), _rel(lse, lse_ref)))
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
         rows["fwd"].append([list(t), r])
     dkdv_auto = auto["_dkdv_tuned_big_d" if D > 64 else "_dkdv_tuned"] or fixed["dkdv"]
-    for t in candidates("dq"):
+    for t in candidates("dq") if "dq" in kernels else ():
         rows["dq"].append([list(t), timed(f"bwd dq {t}", lambda: bwd({"dq": t, "dkdv": dkdv_auto}),
                                           lambda: _rel(grads[0], dq_ref))])
-    best_dq = _best(rows["dq"]) or fixed["dq"]
-    for t in candidates("dkdv"):
+    best_dq = _best(rows["dq"]) or auto["_dq_tuned_big_d" if D > 64 else "_dq_tuned"] or fixed["dq"]
+    for t in candidates("dkdv") if "dkdv" in kernels else ():
         rows["dkdv"].append([list(t), timed(f"bwd dkdv {t}", lambda: bwd({"dq": best_dq, "dkdv": t}),
                                             lambda: max(_rel(grads[1], dk_ref), _rel(grads[2], dv_ref)))])
     result["rows"] = rows
@@ -125,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["4x16x4096x128", "1x20x32768x128"])
     p.add_argument("--noncausal", action="store_true")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
+                   help="which kernels' candidates to sweep (the others run at their autotuned configs)")
     p.add_argument("--json")
     return p
 
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {**environment(), "shapes": []}
     for spec in args.shapes:
         B, H, T, D = (int(x) for x in spec.split("x"))
-        out["shapes"].append(sweep_shape(B, H, T, D, not args.noncausal))
+        out["shapes"].append(sweep_shape(B, H, T, D, not args.noncausal, args.kernels))
         if args.json:
             write_json(args.json, out)
     for s in out["shapes"]:
