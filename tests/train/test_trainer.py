@@ -62,7 +62,7 @@ def test_a_deterministic_run_holds_the_deterministic_mode_only_while_it_trains(c
         step(self)
 
     monkeypatch.setattr(trainer_mod.Trainer, "_train_step", spy)
-    before = torch.are_deterministic_algorithms_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     try:
         run_training(_with_out(cfg, tmp_path / "run"))
@@ -72,7 +72,7 @@ def test_a_deterministic_run_holds_the_deterministic_mode_only_while_it_trains(c
         run_training(_with_out(cfg, tmp_path / "again"))
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
