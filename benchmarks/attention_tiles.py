@@ -71,8 +71,7 @@ def sweep_shape(B, H, T, D, causal: bool, kernels=KERNELS) -> dict:
               "auto_fwd_ms": bench(lambda: fa._forward_triton(q, k, v, causal)),
               "auto_bwd_ms": bench(lambda: fa._backward_triton(do, q, k, v, o_ref, lse_ref, causal))}
     flops = attention_flops(B, H, T, D, causal, "forward")
-    chosen = {name.strip("_").removesuffix("_tuned_big_d" if D > 64 else "_tuned"): tiles
-              for name, tiles in auto.items() if name.endswith("_big_d") == (D > 64)}
+    chosen = {kernel: auto[f"_{kernel}_tuned{'_big_d' if D > 64 else ''}"] for kernel in KERNELS}  # this D's tuners
     print(f"{B}x{H}x{T}x{D} causal={causal}: autotuned forward {result['auto_fwd_ms']:.3f} ms, "
           f"backward {result['auto_bwd_ms']:.3f} ms; configs {chosen}", flush=True)
     o, lse = fa._alloc_out(q), torch.empty_like(lse_ref)
@@ -103,11 +102,11 @@ def sweep_shape(B, H, T, D, causal: bool, kernels=KERNELS) -> dict:
         if "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9
         rows["fwd"].append([list(t), r])
-    dkdv_auto = auto["_dkdv_tuned_big_d" if D > 64 else "_dkdv_tuned"] or fixed["dkdv"]
+    dkdv_auto = chosen["dkdv"] or fixed["dkdv"]
     for t in candidates("dq") if "dq" in kernels else ():
         rows["dq"].append([list(t), timed(f"bwd dq {t}", lambda: bwd({"dq": t, "dkdv": dkdv_auto}),
                                           lambda: _rel(grads[0], dq_ref))])
-    best_dq = _best(rows["dq"]) or auto["_dq_tuned_big_d" if D > 64 else "_dq_tuned"] or fixed["dq"]
+    best_dq = _best(rows["dq"]) or chosen["dq"] or fixed["dq"]
     for t in candidates("dkdv") if "dkdv" in kernels else ():
         rows["dkdv"].append([list(t), timed(f"bwd dkdv {t}", lambda: bwd({"dq": best_dq, "dkdv": t}),
                                             lambda: max(_rel(grads[1], dk_ref), _rel(grads[2], dv_ref)))])
