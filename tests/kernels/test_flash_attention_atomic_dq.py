@@ -36,7 +36,8 @@ def test_the_mode_is_recompute_unless_set_and_refuses_unknown_names():
 
 
 def test_deterministic_algorithms_keep_the_recomputing_backward():
-    before = torch.are_deterministic_algorithms_enabled()  # a deterministic training run may have set it
+    # an earlier test may have left the mode on (seed_everything sets it for the whole process)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(False)
         with fa.using_backward_dq("atomic"):
@@ -46,7 +47,7 @@ def test_deterministic_algorithms_keep_the_recomputing_backward():
         torch.use_deterministic_algorithms(False)
         assert not fa._atomic_dq_selected()
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_unrotate_is_the_gradient_of_the_rotation():
