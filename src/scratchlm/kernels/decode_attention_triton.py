@@ -3,7 +3,7 @@
 In a decode step every row attends from its newest token to the keys in its cache: positions
 0 .. pos (or, with a sliding window of w, pos - w + 1 .. pos). torch's fused attention reads a
 window of L slots for every row, the longest row's, and masks the rest; at batch 64 on an H100
-cuDNN's kernel took 39% of a GPT-2-small decode step (docs/benchmarks/generate.md) at about a
+cuDNN's kernel took 39% of a GPT-2-small decode step (docs/benchmarks/decode_attention.md) at about a
 third of the memory bandwidth. Here one program per (row, query head) walks its row's keys in
 tiles of BLOCK_N with an online softmax (running max and sum, in float32) and reads nothing
 past the row's position, so short rows of a ragged batch cost only what they hold. Where rows x
