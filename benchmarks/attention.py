@@ -9,6 +9,7 @@ causal) and 2.5x that for the backward; times are medians of triton.testing.do_b
 `--atomic-dq` adds, for forward+backward, scratchlm's kernels with the five-matmul backward
 (`flash_attention_triton.using_backward_dq("atomic")`: dQ added into float32 by the dK/dV kernel, no dQ
 kernel) and its ratio to the default backward (`x recompute`), checking its gradients first.
+It ends by printing the tile configs scratchlm's autotuners chose in the run (per kernel and key).
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
             torch.autograd.grad(out, (q, k, v), g)
     with using_backward_dq(dq):
         return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def tuned_configs() -> dict[str, list[int]]:
+    """The configs scratchlm's autotuners chose in this process, "tuner N_CTX,HEAD_DIM,..." ->
+    [BLOCK_M, BLOCK_N, num_warps, num_stages] (the key's integer and flag values only)."""
+    import scratchlm.kernels.flash_attention_triton as fa
+
+    chosen = {}
+    for name in sorted(n for n in vars(fa) if "_tuned" in n):
+        for key, c in getattr(getattr(fa, name), "cache", {}).items():
+            values = ",".join(str(x) for x in key if isinstance(x, (int, bool)))
+            chosen[f"{name.strip('_')} {values}"] = [c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                                     c.num_stages]
+    return chosen
 
 
 def _atomic_dq_error(q, k, v, g, causal) -> float:
@@ -140,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"{rat(row['ratio_vs_cudnn'])}   err {err:.1e}{atomic}", flush=True)
             del q, k, v, g
             torch.cuda.empty_cache()
+    configs = tuned_configs()
+    print("autotuned configs (BLOCK_M, BLOCK_N, warps, stages):",
+          "; ".join(f"{k}: {tuple(v)}" for k, v in configs.items()), flush=True)
     if args.json:
-        write_json(args.json, {**environment(), "rows": rows})
+        write_json(args.json, {**environment(), "rows": rows, "tuned_configs": configs})
     return 0
 
 

@@ -22,3 +22,19 @@ def test_atomic_dq_timing_helpers_restore_the_mode():
 def test_atomic_dq_is_a_documented_option():
     args = load("attention").build_parser().parse_args(["--modes", "forward_backward", "--atomic-dq"])
     assert args.atomic_dq and args.modes == ["forward_backward"]
+
+
+def test_tuned_configs_reads_what_each_autotuner_chose(monkeypatch):
+    if not hasattr(fa, "_dq_tuned"):  # no Triton: no tuners, nothing chosen
+        assert load("attention").tuned_configs() == {}
+        return
+
+    class Chosen:  # a triton.Config's fields that the script reads
+        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32}
+        num_warps, num_stages = 4, 3
+
+    monkeypatch.setattr(fa._dq_tuned, "cache", {(1024, 64, True, False, "torch.bfloat16"): Chosen()})
+    monkeypatch.setattr(fa._fwd_tuned, "cache", {})
+    chosen = load("attention").tuned_configs()
+    assert chosen["dq_tuned 1024,64,True,False"] == [64, 32, 4, 3]
+    assert not any(k.startswith("fwd_tuned ") for k in chosen)
