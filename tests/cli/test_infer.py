@@ -153,6 +153,19 @@ def test_generate_command_says_when_the_context_cuts_samples(ckpt, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
+def test_compile_says_why_it_cannot_take_effect(capsys):
+    from types import SimpleNamespace
+
+    from scratchlm.cli.infer import _note_if_not_compiled
+
+    _note_if_not_compiled(SimpleNamespace(no_kv_cache=False), torch.device("cpu"))
+    assert "--compile has no effect here (it needs a CUDA device)" in capsys.readouterr().err
+    _note_if_not_compiled(SimpleNamespace(no_kv_cache=True), torch.device("cuda"))
+    assert "needs the KV cache" in capsys.readouterr().err
+    _note_if_not_compiled(SimpleNamespace(no_kv_cache=False), torch.device("cuda"))
+    assert capsys.readouterr().err == ""  # where it compiles: no note
+
+
 def test_fused_blocks_say_why_they_cannot_take_effect(monkeypatch, capsys):
     from types import SimpleNamespace
 

@@ -103,6 +103,14 @@ def _note_if_blocks_unfused(args, device, n_prompts: int) -> None:
         print(f"note: --fused-blocks has no effect here ({why}); the blocks run module by module", file=sys.stderr)
 
 
+def _note_if_not_compiled(args, device) -> None:
+    """--compile where it cannot take effect (the engine compiles its CUDA steps only): say so."""
+    why = ("it needs a CUDA device" if device.type != "cuda"
+           else "it needs the KV cache" if args.no_kv_cache else None)
+    if why is not None:
+        print(f"note: --compile has no effect here ({why}); the model runs eagerly", file=sys.stderr)
+
+
 def _check_pdl(device) -> None:
     """--pdl where the kernels cannot be launched with it: a one-line error (the engine would refuse)."""
     import torch
@@ -150,6 +158,8 @@ def generate_command(argv: list[str]) -> int:
             )
         prompts.append(ids)
     _warn_if_context_cuts(prompts, args, cfg.context_length)
+    if args.compile:
+        _note_if_not_compiled(args, device)
     if args.fused_blocks or args.pdl:
         _note_if_blocks_unfused(args, device, len(prompts))
     if args.pdl:
