@@ -301,3 +301,14 @@ def test_a_latest_that_is_not_text_is_named_as_damaged(tmp_path):
     for read in (ckpt.resolve_checkpoint, ckpt.find_resume_checkpoint, ckpt.latest_step_dir):
         with pytest.raises(UserError, match="latest is not a step directory name .* damaged"):
             read(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["²", "step_²", "step_000²"])
+def test_a_step_named_with_digits_other_than_ascii_ones_is_no_checkpoint(tmp_path, name):
+    # "²".isdigit() is True but int("²") fails: --resume-from ² ended in a ValueError.
+    model, opt = _trained()
+    _save_step(tmp_path, 5, model, opt)
+    (tmp_path / "checkpoints" / "step_²").mkdir()  # a directory that is no step, left among the steps
+    assert [p.name for p in ckpt.list_steps(tmp_path)] == ["step_000005"]
+    with pytest.raises(UserError, match=f"there is no checkpoint {name} in .*step_000005"):
+        ckpt.find_resume_checkpoint(tmp_path, name)

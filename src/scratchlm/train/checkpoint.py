@@ -227,6 +227,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def _is_number(text: str) -> bool:
+    """Whether `text` is a step number: ASCII digits only (``"²".isdigit()`` is True, ``int("²")`` fails)."""
+    return text.isascii() and text.isdigit()
+
+
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
@@ -325,7 +330,7 @@ def list_steps(run_dir: str | os.PathLike) -> list[Path]:
     ckpt = checkpoints_dir(run_dir)
     if not ckpt.is_dir():
         return []
-    steps = [p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    steps = [p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step_") and _is_number(p.name[5:])]
     return sorted(steps, key=lambda p: int(p.name[5:]))
 
 
@@ -357,7 +362,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
     """
     pointer = checkpoints_dir(run_dir) / LATEST
     current = _read_pointer(pointer) if pointer.is_file() else ""
-    if current[5:].isdigit():
+    if _is_number(current[5:]):
         older = [p for p in list_steps(run_dir) if int(p.name[5:]) < int(current[5:])]
         for path in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(path)
@@ -479,10 +484,10 @@ def _named_step(run_dir: str | os.PathLike, step: int | str | os.PathLike) -> Pa
     text = os.fspath(step) if not isinstance(step, int) else str(step)
     name = Path(text).name
     digits = name[5:] if name.startswith("step_") else name
-    path = checkpoints_dir(run_dir) / step_dir_name(int(digits)) if digits.isdigit() else None
+    path = checkpoints_dir(run_dir) / step_dir_name(int(digits)) if _is_number(digits) else None
     if path is None or not path.is_dir():
         have = ", ".join(p.name for p in list_steps(run_dir)) or "none"
-        shown = step_dir_name(int(digits)) if digits.isdigit() else text
+        shown = step_dir_name(int(digits)) if _is_number(digits) else text
         raise UserError(f"there is no checkpoint {shown} in {checkpoints_dir(run_dir)} (there are: {have})")
     return path
 
@@ -518,7 +523,7 @@ def find_resume_checkpoint(run_dir: str | os.PathLike, step: int | str | os.Path
         target = _named_step(run_dir, step)
     elif pointer.is_file():
         target = checkpoints_dir(run_dir) / _read_pointer(pointer)
-        if not target.name[5:].isdigit() or not target.is_dir():
+        if not _is_number(target.name[5:]) or not target.is_dir():
             hint = (f"{steps[-1].name} is the newest step directory: write its name into {pointer} to resume "
                     f"from it" if steps else "the run has no step directory; start it over with --overwrite")
             raise UserError(f"{pointer} names {target.name!r}, which is not a step directory here; {hint}")
