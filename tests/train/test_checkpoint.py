@@ -312,3 +312,15 @@ def test_a_step_named_with_digits_other_than_ascii_ones_is_no_checkpoint(tmp_pat
     assert [p.name for p in ckpt.list_steps(tmp_path)] == ["step_000005"]
     with pytest.raises(UserError, match=f"there is no checkpoint {name} in .*step_000005"):
         ckpt.find_resume_checkpoint(tmp_path, name)
+
+
+def test_resume_from_the_path_of_another_runs_step_is_refused(tmp_path):
+    # Only the path's last name was read: another run's step_000005 resumed this run's step_000005.
+    model, opt = _trained()
+    run, other = tmp_path / "run", tmp_path / "other"
+    own = _save_step(run, 5, model, opt)
+    _save_step(other, 5, model, opt)
+    with pytest.raises(UserError, match=f"{other}/checkpoints/step_000005 is not a checkpoint of the run {run}"):
+        ckpt.find_resume_checkpoint(run, other / "checkpoints" / "step_000005")
+    assert ckpt.find_resume_checkpoint(run, own) == own  # its own step, by path
+    assert ckpt.find_resume_checkpoint(run, "step_000005") == own

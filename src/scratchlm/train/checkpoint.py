@@ -480,15 +480,20 @@ def _step_number(path: Path) -> int:
 
 
 def _named_step(run_dir: str | os.PathLike, step: int | str | os.PathLike) -> Path:
-    """The step directory that `step` names: 800, "800", "step_000800", or its path."""
+    """The step directory that `step` names: 800, "800", "step_000800", or its path (one of this run's)."""
     text = os.fspath(step) if not isinstance(step, int) else str(step)
     name = Path(text).name
     digits = name[5:] if name.startswith("step_") else name
     path = checkpoints_dir(run_dir) / step_dir_name(int(digits)) if _is_number(digits) else None
+    have = ", ".join(p.name for p in list_steps(run_dir)) or "none"
     if path is None or not path.is_dir():
-        have = ", ".join(p.name for p in list_steps(run_dir)) or "none"
         shown = step_dir_name(int(digits)) if _is_number(digits) else text
         raise UserError(f"there is no checkpoint {shown} in {checkpoints_dir(run_dir)} (there are: {have})")
+    given = Path(text)
+    if given.parent != Path(".") and given.exists() and given.resolve() != path.resolve():
+        # (the path of another run's step: resuming this run's step of that name instead would be silent)
+        raise UserError(f"{text} is not a checkpoint of the run {run_dir}: a run resumes only from its own "
+                        f"checkpoints in {checkpoints_dir(run_dir)} (there are: {have})")
     return path
 
 
