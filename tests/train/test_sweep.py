@@ -68,6 +68,7 @@ def test_a_key_given_twice_and_no_grid_are_refused():
     ("model.d_model=32,30", "d_model"),  # 30 is not divisible by 4 heads
     ("model.vocab_size=48,40", "vocab"),  # the token files hold ids up to 47
     ("model.context_length=16,1000", "context"),  # the validation file is shorter than one window
+    ("parallel.strategy=none,ddp", "parallel.strategy must be none, not 'ddp'"),  # its point ran in one process
 ])
 def test_unknown_keys_and_invalid_values_fail_before_any_run(preset, tmp_path, spec, message):
     out = tmp_path / "sweep"

@@ -166,6 +166,9 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         try:
             cfg = load_config(TrainConfig, preset, [*overrides, *point_overrides,
                                                     f"--trainer.out_dir={root / name}"])
+            if cfg.parallel.strategy != "none":  # (a --grid over parallel.strategy)
+                raise UserError("scratchlm sweep runs its points one after another in one process; "
+                                f"parallel.strategy must be none, not {cfg.parallel.strategy!r}")
             _check_data(cfg)
             check_combinations(cfg)  # what the trainer would refuse only when the point starts
         except UserError as exc:
