@@ -54,6 +54,15 @@ def test_a_character_cut_at_the_size_limit_is_dropped(tmp_path):
     assert corpus.read_head(tmp_path / "utf8.txt", 11) == "é" * 5
 
 
+def test_a_size_limit_past_any_file_reads_the_whole_file(tmp_path):
+    # quickstart --corpus-mb 1e300 ended in an OverflowError (a read of more bytes than an index holds).
+    lines = "".join(f"line {i} of a small user corpus\n" for i in range(2000))
+    (tmp_path / "mine.txt").write_text(lines)
+    assert corpus.read_head(tmp_path / "mine.txt", int(1e300 * 1e6)) == lines
+    _, train, valid = corpus.build_corpus(str(tmp_path / "mine.txt"), tmp_path, int(1e300 * 1e6))
+    assert train + valid == lines
+
+
 @pytest.mark.parametrize("content", ["", " \n\n\t", "<|endoftext|>\n<|endoftext|>"], ids=["empty", "blank", "separators"])
 def test_a_file_without_text_is_named(tmp_path, content):
     path = tmp_path / "empty.txt"

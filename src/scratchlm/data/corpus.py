@@ -11,6 +11,7 @@ works instead. Standard library only: building a corpus imports neither torch no
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -69,7 +70,7 @@ def split_documents(docs: Iterable[tuple[str, str]], max_bytes: int) -> tuple[st
 def read_head(path: Path, max_bytes: int) -> str:
     """The first `max_bytes` of a UTF-8 file, cut at a document or line boundary."""
     with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+        data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size) + 1)  # (a huge max_bytes overflows read)
     head = data[:max_bytes]
     try:
         text = head.decode("utf-8")
