@@ -59,6 +59,14 @@ def test_more_problems_than_a_difficulty_holds_is_a_user_error():
     assert len(load_examples("arith:1", "test", limit=n)) == n  # the limit it names is one that works
 
 
+def test_a_huge_limit_is_refused_as_fast_as_a_small_one():
+    # The draws allowed grew with the limit: eval-math --dataset arith:1 --limit 10**20 never ended.
+    from scratchlm.align.datasets import load_examples
+
+    with pytest.raises(UserError, match=r"arith:1 has only \d+ distinct test problems, fewer than the 10+ asked for"):
+        load_examples("arith:1", "test", limit=10**20)
+
+
 def test_reward_checks_the_answer():
     ex = ArithmeticTask(difficulty=2).examples(1)[0]
     t = get_template("r1_zero")

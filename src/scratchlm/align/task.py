@@ -89,16 +89,18 @@ class ArithmeticTask:
         want_heldout = split == "test"
         seen: set[str] = set()
         out: list[MathExample] = []
-        attempts = 0
+        misses = 0  # draws since the last new problem: many in a row, and the split is exhausted
         while len(out) < n:
-            attempts += 1
-            if attempts > 200 * n + 10_000:
+            if misses > 200 * len(out) + 10_000:
                 # arith:1 holds a few hundred problems, fewer than the 1000 drawn when no limit is set
+                # (counted from the last new problem, not from n: a limit of 10**9 is refused as fast)
                 raise UserError(f"arith:{self.difficulty} has only {len(out)} distinct {split} problems, fewer than "
                                 f"the {n} asked for; set a limit of at most {len(out)}")
             ex = self.sample(rng)
             if ex.question in seen or _heldout(ex.question, self.heldout_fraction) != want_heldout:
+                misses += 1
                 continue
+            misses = 0
             seen.add(ex.question)
             out.append(ex)
         return out
