@@ -15,6 +15,12 @@ from scratchlm.model.config import ModelConfig
     ({"ffn": "moe", "moe_capacity_factor": float("inf")}, "model.moe_capacity_factor must be a positive finite"),
     ({"ffn": "moe", "moe_aux_coef": -0.01}, "model.moe_aux_coef must be a finite number >= 0"),
     ({"ffn": "moe", "moe_z_coef": float("nan")}, "model.moe_z_coef must be a finite number >= 0"),
+    # a typo of extra digits: a TypeError (sizes past int64) or the CPU allocator's RuntimeError in train
+    ({"vocab_size": 10**20}, r"model.vocab_size must be at most 2\*\*31 - 1, got 100000000000000000000"),
+    ({"vocab_size": 10**12}, "model.vocab_size must be at most"),
+    ({"d_model": 2**64, "num_heads": 1}, "model.d_model must be at most"),
+    ({"d_ff": 2**31}, "model.d_ff must be at most"),
+    ({"num_layers": 10**20}, "model.num_layers must be at most"),
 ])
 def test_values_no_model_can_use_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from scratchlm.model.attention_backends import attention_backend_names
 
+# The largest vocab_size, context_length, d_model, ... a config may name: far past any model, and
+# small enough that the product of two fits the int64 sizes of torch's tensors.
+MAX_DIM = 2**31 - 1
+
 
 @dataclass
 class ModelConfig:
@@ -70,6 +74,8 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_DIM:  # (a typo of extra digits: torch's overflow or allocator errors)
+                raise ValueError(f"model.{name} must be at most 2**31 - 1, got {getattr(self, name)}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"model.rope_theta must be a positive finite number, got {self.rope_theta}")
         if not (math.isfinite(self.rmsnorm_eps) and self.rmsnorm_eps >= 0):
