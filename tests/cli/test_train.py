@@ -62,6 +62,7 @@ def test_eval_refuses_data_encoded_with_another_tokenizer(tmp_path, capsys):
     ("--trainer.sample_temperature=-1", "trainer.sample_temperature must be a finite number >= 0"),
     ("--trainer.sample_temperature=inf", "trainer.sample_temperature must be a finite number >= 0"),  # uniform samples
     ("--trainer.seed=-1", r"trainer.seed must be in \[0, 2\*\*32\)"),  # was numpy's ValueError
+    ("--trainer.batch_size=100000000000000000000", r"trainer.batch_size must be at most 2\*\*31 - 1"),  # numpy's too
 ])
 def test_train_refuses_bad_sampling_settings_before_training(tmp_path, override, message):
     # These failed only when the samples were drawn, after the whole run had trained.

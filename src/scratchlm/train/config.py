@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from scratchlm.data.config import DataConfig
 from scratchlm.dtypes import canonical_dtype
-from scratchlm.model.config import ModelConfig
+from scratchlm.model.config import MAX_DIM, ModelConfig
 from scratchlm.optim.config import OptimConfig
 from scratchlm.parallel.config import ParallelConfig
 
@@ -89,6 +89,8 @@ class TrainerConfig:
         for name in ("batch_size", "grad_accum_steps", "eval_batches", "log_interval", "activation_checkpointing_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be positive, got {getattr(self, name)}")
+        if self.batch_size > MAX_DIM:  # (a dimension of the batch tensors: numpy's ValueError past it)
+            raise ValueError(f"trainer.batch_size must be at most 2**31 - 1, got {self.batch_size}")
         for name in ("max_steps", "seq_len_warmup_steps", "eval_interval", "checkpoint_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
