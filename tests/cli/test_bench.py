@@ -51,8 +51,9 @@ def test_bad_input_is_a_user_error():
     (["--vocab-size", "-5"], "--vocab-size must be >= 1"),
     (["--activation-checkpointing", "-1"], "--activation-checkpointing must be >= 0"),
     # past int64: torch's TypeError or OverflowError building the batch
-    (["--batch-size", str(10**20)], r"--batch-size, --context-length and --vocab-size must be at most 2\*\*31 - 1"),
-    (["--context-length", str(10**20)], r"--batch-size, --context-length and --vocab-size must be at most"),
+    (["--batch-size", str(10**20)], r"--batch-size 10+ x --context-length 16 x vocab_size \d+ = .* logits, more than "
+                                    r"a tensor holds \(2\*\*63 - 1\)"),
+    (["--context-length", str(10**20)], r"model.context_length must be at most 2\*\*31 - 1"),
 ])
 def test_out_of_range_sizes_are_user_errors(extra, message):
     with pytest.raises(UserError, match=message):

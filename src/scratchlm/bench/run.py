@@ -31,7 +31,6 @@ from scratchlm.device import peak_flops
 from scratchlm.dtypes import torch_dtype
 from scratchlm.errors import UserError
 from scratchlm.model.accounting import TRAIN_FORWARDS, model_flops_per_token
-from scratchlm.model.config import MAX_DIM
 
 __all__ = ["BenchOptions", "MODES", "PRECISIONS", "SIZES", "model_flops_per_token", "run_bench"]
 
@@ -119,6 +118,10 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
     return a results dict: the run's description and, under "modes", one summary per mode."""
     device, precision = _device_and_precision(options)
     cfg = _model_config(options, list(overrides))
+    logits = options.batch_size * options.context_length * cfg.vocab_size
+    if logits > 2**63 - 1:  # (torch's TypeError or OverflowError; a smaller shape too large is out of memory)
+        raise UserError(f"--batch-size {options.batch_size} x --context-length {options.context_length} x vocab_size "
+                        f"{cfg.vocab_size} = {logits:.3g} logits, more than a tensor holds (2**63 - 1)")
     _check_attention_backend(cfg.attention_backend, device)
     if options.fused_lm_head and cfg.logit_softcap:  # (as the trainer refuses it)
         raise UserError(f"--fused-lm-head computes the loss from uncapped logits: it would time a model without "
@@ -177,8 +180,6 @@ def _device_and_precision(options: BenchOptions) -> tuple[torch.device, str]:
     precision = options.precision or ("bf16_autocast" if device.type == "cuda" else "fp32")
     if options.steps < 1 or options.warmup < 0 or options.batch_size < 1 or options.context_length < 1:
         raise UserError("--steps, --batch-size and --context-length must be >= 1, --warmup >= 0")
-    if max(options.batch_size, options.context_length, options.vocab_size or 1) > MAX_DIM:  # (torch's overflow errors)
-        raise UserError("--batch-size, --context-length and --vocab-size must be at most 2**31 - 1")
     if options.vocab_size is not None and options.vocab_size < 1:
         raise UserError(f"--vocab-size must be >= 1, got {options.vocab_size}")
     if options.activation_checkpointing < 0:
