@@ -324,3 +324,13 @@ def test_resume_from_the_path_of_another_runs_step_is_refused(tmp_path):
         ckpt.find_resume_checkpoint(run, other / "checkpoints" / "step_000005")
     assert ckpt.find_resume_checkpoint(run, own) == own  # its own step, by path
     assert ckpt.find_resume_checkpoint(run, "step_000005") == own
+
+
+def test_an_empty_latest_is_named_as_empty(tmp_path):
+    # It was reported as naming "checkpoints", which is missing or incomplete.
+    model, opt = _trained()
+    _save_step(tmp_path, 5, model, opt)
+    (tmp_path / "checkpoints" / "latest").write_text("\n")
+    for read in (ckpt.resolve_checkpoint, ckpt.find_resume_checkpoint, ckpt.latest_step_dir):
+        with pytest.raises(UserError, match=r"latest is empty: .*step_000005 is the newest step directory"):
+            read(tmp_path)

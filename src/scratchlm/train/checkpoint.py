@@ -337,10 +337,16 @@ def list_steps(run_dir: str | os.PathLike) -> list[Path]:
 def _read_pointer(pointer: Path) -> str:
     """The step directory name that the `latest` file `pointer` holds."""
     try:
-        return pointer.read_text(encoding="utf-8").strip()
+        name = pointer.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
         raise UserError(f"{pointer} is not a step directory name (it is not UTF-8 text): the file is damaged; "
                         "write the name of a step directory (e.g. step_000100) into it") from None
+    if not name:
+        steps = list_steps(pointer.parent.parent)
+        hint = (f"{steps[-1].name} is the newest step directory: write its name into it to use it" if steps
+                else "the run has no step directory")
+        raise UserError(f"{pointer} is empty: it should hold the name of a step directory; {hint}")
+    return name
 
 
 def latest_step_dir(run_dir: str | os.PathLike) -> Path | None:
