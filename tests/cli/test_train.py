@@ -93,6 +93,16 @@ def test_train_refuses_a_peak_flops_that_is_negative_or_infinite(tmp_path, value
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_train_refuses_an_empty_resume_from(tmp_path, value):
+    # --resume-from "" was taken for no resume at all: an existing run was refused with "pass --resume".
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="--resume-from is empty; give the step to continue from"):
+        train_command([f"--trainer.out_dir={run}", "--trainer.device=cpu", "--resume-from", value])
+
+
 @pytest.mark.parametrize("damage", [b"[model\n", b"\xff\xfe"])
 def test_resume_names_a_damaged_run_config(tmp_path, damage):
     run = tmp_path / "run"

@@ -29,6 +29,9 @@ def train_command(argv: list[str]) -> int:
     mode.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
     positional, overrides = split_overrides(argv)
     args = parser.parse_args(positional)
+    if args.resume_from is not None and not args.resume_from.strip():
+        raise UserError("--resume-from is empty; give the step to continue from (800 or step_000800), "
+                        "or pass --resume for the latest checkpoint")
     cfg = load_config(TrainConfig, args.config, overrides)
     run_training(cfg, resume=args.resume_from or args.resume, overwrite=args.overwrite)
     return 0
