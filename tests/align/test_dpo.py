@@ -211,6 +211,8 @@ def test_read_preference_pairs_and_its_errors(tmp_path):
     assert read_preference_pairs(good) == [PreferencePair("Q: 1+1?", " 2", " 3")] * 2
     with pytest.raises(UserError, match="not found"):
         read_preference_pairs(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match=f"preference file {tmp_path} is a directory, not a file"):
+        read_preference_pairs(tmp_path)  # (it was reported as not found)
     bad = _write(tmp_path / "bad.jsonl", [json.dumps(row), "{not json"])
     with pytest.raises(UserError, match=r"bad.jsonl:2: not valid JSON"):
         read_preference_pairs(bad)

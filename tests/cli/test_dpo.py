@@ -94,3 +94,6 @@ def test_missing_inputs_are_one_line_errors(tmp_path, capsys):
     code = main(["dpo", "dpo", f"--policy.path={tmp_path}", f"--data.train_path={tmp_path / 'none.jsonl'}"])
     err = capsys.readouterr().err
     assert code == 2 and "none.jsonl not found" in err and len(err.strip().splitlines()) == 1
+    code = main(["dpo", "dpo", f"--policy.path={tmp_path}", f"--data.eval_path={tmp_path}"])
+    err = capsys.readouterr().err  # (a directory was reported as not found)
+    assert code == 2 and f"{tmp_path} is a directory, not a file" in err and len(err.strip().splitlines()) == 1

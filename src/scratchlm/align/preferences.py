@@ -39,7 +39,8 @@ def read_preference_pairs(path: str | os.PathLike) -> list[PreferencePair]:
     """The pairs of a JSONL file of ``{"prompt", "chosen", "rejected"}`` objects (see the module)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"preference file {p} not found (expected JSONL with prompt, chosen, rejected on each line)")
+        problem = "is a directory, not a file" if p.is_dir() else "not found"
+        raise UserError(f"preference file {p} {problem} (expected JSONL with prompt, chosen, rejected on each line)")
     pairs = []
     from scratchlm.align.datasets import decode_line
 
