@@ -55,6 +55,8 @@ def test_plan_steps_fits_the_budget():
     (["--minutes", "nan"], "--minutes must be a positive number, got nan"),  # was a ValueError after encoding
     (["--minutes", "inf"], "--minutes must be a positive number, got inf"),  # was an OverflowError
     (["--corpus-mb", "nan"], "--corpus-mb must be a positive number, got nan"),
+    # (a text file was then reported as "empty, blank or only separators")
+    (["--corpus-mb", "1e-9"], "--corpus-mb 1e-09 is less than one byte, so no text would be read"),
     (["--steps", "0"], "--steps must be a positive number, got 0"),
     (["--vocab-size", "256"], "--vocab-size must be at least 257"),
 ])

@@ -124,6 +124,9 @@ def quickstart_command(argv: list[str]) -> int:
     for flag, value in (("--minutes", args.minutes), ("--corpus-mb", args.corpus_mb), ("--steps", args.steps)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a positive number, got {value}")
+    if int(args.corpus_mb * 1e6) < 1:  # (a text file was then read as no text at all)
+        raise UserError(f"--corpus-mb {args.corpus_mb:g} is less than one byte, so no text would be read; "
+                        "give at least 1e-06 (one byte)")
     if args.vocab_size < 257:
         raise UserError(f"--vocab-size must be at least 257 (256 bytes and {EOT}), got {args.vocab_size}")
     from scratchlm.data.token_file import is_token_file
