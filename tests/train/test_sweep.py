@@ -391,3 +391,12 @@ def test_the_plot_takes_non_numeric_values_and_three_keys(tmp_path):
                  [("cosine", 16), ("cosine", 32), ("linear", 16), ("linear", 32)])]
     path = sweep_mod.plot_sweep(rows, tmp_path / "sweep.png")
     assert path.stat().st_size > 1000
+
+
+def test_the_plot_takes_list_valued_settings(tmp_path):
+    # --grid trainer.sample_prompts=a,b: the plot failed with "unhashable type: 'list'".
+    rows = [{"name": f"p{i}", "values": {"trainer.sample_prompts": p, "data.extra": e},
+             "final_val_loss": 3.0 + i / 10} for i, (p, e) in enumerate(
+                 [(["a"], ["x"]), (["b"], ["x"]), (["a"], ["y", "z"]), (["b"], ["y", "z"])])]
+    path = sweep_mod.plot_sweep(rows, tmp_path / "sweep.png")
+    assert path.stat().st_size > 1000

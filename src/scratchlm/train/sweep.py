@@ -435,6 +435,16 @@ def _is_lr_like(key: str, xs: Sequence[Any]) -> bool:
     return leaf.endswith("lr") or leaf in ("weight_decay", "eps") or max(numeric) / min(numeric) >= 100
 
 
+def _hashable(value: Any) -> Any:
+    """`value` with its lists (and dicts) as tuples, to group by: list-valued settings such as
+    trainer.sample_prompts can be swept too."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
 def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Final validation loss against the first swept key; one line per combination of the other
     keys' values. Non-numeric values sit at evenly spaced positions."""
@@ -448,16 +458,18 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     keys = list(rows[0]["values"]) if rows else []
     x_key, other = (keys[0], keys[1:]) if keys else ("", [])
-    xs = list(dict.fromkeys(r["values"][x_key] for r in rows)) if keys else []
+    x_values = {_hashable(r["values"][x_key]): r["values"][x_key] for r in rows} if keys else {}
+    xs = list(x_values.values())
     numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
-    position = {x: (x if numeric else i) for i, x in enumerate(xs)}
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+    position = {key: (x if numeric else i) for i, (key, x) in enumerate(x_values.items())}
+    groups: dict[tuple, tuple[tuple, list[dict[str, Any]]]] = {}
     for r in rows:
-        groups.setdefault(tuple(r["values"][k] for k in other), []).append(r)
+        combo = tuple(r["values"][k] for k in other)
+        groups.setdefault(_hashable(combo), (combo, []))[1].append(r)
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for combo, members in groups.items():
-        pts = sorted((position[r["values"][x_key]], r["final_val_loss"]) for r in members
+    for combo, members in groups.values():
+        pts = sorted((position[_hashable(r["values"][x_key])], r["final_val_loss"]) for r in members
                      if r["final_val_loss"] is not None and math.isfinite(r["final_val_loss"]))
         label = ", ".join(f"{k}={v}" for k, v in zip(other, combo)) or None
         if pts:
