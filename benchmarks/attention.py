@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scratchlm.bench.results import environment, ratio, write_json
-from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, using_backward_dq
+from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, tuned_tiles, using_backward_dq
 from scratchlm.model.accounting import attention_flops
 
 
@@ -58,16 +58,8 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
 
 def tuned_configs() -> dict[str, list[int]]:
     """The configs scratchlm's autotuners chose in this process, "tuner N_CTX,HEAD_DIM,..." ->
-    [BLOCK_M, BLOCK_N, num_warps, num_stages] (the key's integer and flag values only)."""
-    import scratchlm.kernels.flash_attention_triton as fa
-
-    chosen = {}
-    for name in sorted(n for n in vars(fa) if "_tuned" in n):
-        for key, c in getattr(getattr(fa, name), "cache", {}).items():
-            values = ",".join(str(x) for x in key if isinstance(x, (int, bool)))
-            chosen[f"{name.strip('_')} {values}"] = [c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                                     c.num_stages]
-    return chosen
+    [BLOCK_M, BLOCK_N, num_warps, num_stages] (`flash_attention_triton.tuned_tiles`)."""
+    return {key: list(tiles) for key, tiles in tuned_tiles().items()}
 
 
 def _atomic_dq_error(q, k, v, g, causal) -> float:

@@ -118,7 +118,7 @@ def sweep_shape(B, H, T, D, causal: bool, kernels=KERNELS) -> dict:
 def _tuned(kernel):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) an autotuner chose, None if it has not run."""
     c = getattr(kernel, "best_config", None)
-    return None if c is None else (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+    return None if c is None else fa.config_tiles(c)
 
 
 def _best(rows, max_err: float = 2e-2):

@@ -681,6 +681,26 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+_TUNERS = ("_fwd_tuned", "_fwd_tuned_big_d", "_dq_tuned", "_dq_tuned_big_d", "_dkdv_tuned", "_dkdv_tuned_big_d",
+           "_dkdv_atomic_tuned", "_dkdv_atomic_tuned_big_d")  # the autotuned kernels (with Triton)
+
+
+def config_tiles(config) -> tuple[int, int, int, int]:
+    """A `triton.Config`'s (BLOCK_M, BLOCK_N, num_warps, num_stages): the form tiles take here."""
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def tuned_tiles() -> dict[str, tuple[int, int, int, int]]:
+    """The tiles the autotuners chose in this process, "tuner N_CTX,HEAD_DIM,..." -> tiles (the
+    integer and flag values of each key); empty without Triton or before a tuned launch."""
+    chosen = {}
+    for name in sorted(_TUNERS):
+        for key, config in getattr(globals().get(name), "cache", {}).items():
+            values = ",".join(str(x) for x in key if isinstance(x, (int, bool)))
+            chosen[f"{name.strip('_')} {values}"] = config_tiles(config)
+    return chosen
+
+
 def _fixed_meta(tiles: tuple[int, int, int, int], T) -> dict:
     # EVEN_*: T fills every tile, so the bounds masks are compiled out (a guard under compile).
     m, n, w, s = tiles
