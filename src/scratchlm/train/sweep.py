@@ -125,6 +125,13 @@ def point_name(values: dict[str, str]) -> str:
     return "__".join(f"{key}={_UNSAFE.sub('_', value)}" for key, value in values.items())
 
 
+def _check_one_process(cfg: TrainConfig) -> None:
+    """The sweep runs its points one after another in this one process: no parallel strategy."""
+    if cfg.parallel.strategy != "none":
+        raise UserError("scratchlm sweep runs its points one after another in one process; "
+                        f"parallel.strategy must be none, not {cfg.parallel.strategy!r}")
+
+
 def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequence[GridAxis],
                out: str | Path | None = None) -> list[SweepPoint]:
     """Every point's config (base preset, then `overrides`, then the point's values), validated.
@@ -140,9 +147,7 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         key = ".".join(parse_override(text)[0])
         if any(axis.key == key for axis in axes):
             raise UserError(f"--{key} is both an override and a --grid key; give its values in --grid {key}=... only")
-    if base.parallel.strategy != "none":
-        raise UserError("scratchlm sweep runs its points one after another in one process; "
-                        f"parallel.strategy must be none, not {base.parallel.strategy!r}")
+    _check_one_process(base)
     if not base.data.val_path:
         raise UserError("a sweep compares validation losses: set data.val_path (a token file from `scratchlm encode`)")
     for what, path in (("data.train_path", base.data.train_path), ("data.val_path", base.data.val_path)):
@@ -166,9 +171,7 @@ def plan_sweep(preset: str | Path | None, overrides: Sequence[str], axes: Sequen
         try:
             cfg = load_config(TrainConfig, preset, [*overrides, *point_overrides,
                                                     f"--trainer.out_dir={root / name}"])
-            if cfg.parallel.strategy != "none":  # (a --grid over parallel.strategy)
-                raise UserError("scratchlm sweep runs its points one after another in one process; "
-                                f"parallel.strategy must be none, not {cfg.parallel.strategy!r}")
+            _check_one_process(cfg)  # (a --grid over parallel.strategy)
             _check_data(cfg)
             check_combinations(cfg)  # what the trainer would refuse only when the point starts
         except UserError as exc:
