@@ -83,7 +83,15 @@ def _layer_cases(d_model: int, d_ff: int) -> list[tuple[str, dict | None]]:
                                                      gemm="portable")),
         ("moe 4x top-1 dropless, grouped_mm", dict(num_experts=4, top_k=1, d_ff=d_ff, gemm="grouped_mm")),
         ("moe 16x top-4 dropless, grouped_mm", dict(num_experts=16, top_k=4, d_ff=d_ff // 4, gemm="grouped_mm")),
+        ("moe 8x top-2 dropless, triton", dict(num_experts=8, top_k=2, d_ff=d_ff // 2, gemm="triton")),
+        ("moe 8x top-2 cf 1.25, triton", dict(num_experts=8, top_k=2, d_ff=d_ff // 2, capacity_factor=1.25,
+                                             gemm="triton")),
     ]
+
+
+def _has_triton() -> bool:
+    from scratchlm.kernels.triton_support import triton_available
+    return triton_available()
 
 
 def layer_command(args: argparse.Namespace) -> int:
@@ -111,6 +119,9 @@ def layer_command(args: argparse.Namespace) -> int:
     for name, opts in cases:
         if opts is not None and opts["gemm"] == "grouped_mm" and not grouped_mm_supported():
             print(f"{name:40s} skipped: torch has no _grouped_mm")
+            continue
+        if opts is not None and opts["gemm"] == "triton" and not (_has_triton() and device.type == "cuda"):
+            print(f"{name:40s} skipped: the Triton kernels need triton and a CUDA device")
             continue
         torch.manual_seed(0)
         if opts is None:

@@ -267,14 +267,25 @@ GROUPED_CASES = [dict(), dict(top_k=1), dict(capacity_factor=0.5), dict(capacity
                  dict(top_k=3, num_experts=6, capacity_factor=1.0, renormalize=False), dict(num_experts=8, top_k=2)]
 
 
-@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
+def _needs(gemm: str):
+    if gemm == "grouped_mm" and not grouped_mm_supported():
+        pytest.skip("torch has no _grouped_mm")
+
+
+# The grouped paths: torch._grouped_mm, and scratchlm's Triton kernels (run under TRITON_INTERPRET=1
+# with triton installed, else as the ops' torch formula, which still tests the 128-row layout).
+GROUPED_GEMMS = ["grouped_mm", "triton"]
+
+
+@pytest.mark.parametrize("gemm", GROUPED_GEMMS)
 @pytest.mark.parametrize("kwargs", GROUPED_CASES, ids=[str(c) or "default" for c in GROUPED_CASES])
-def test_grouped_mm_path_matches_naive_forward_and_backward(kwargs):
-    """The torch._grouped_mm dispatch (fp32 on CPU here; bf16 on CUDA) against the per-expert loop."""
+def test_grouped_mm_path_matches_naive_forward_and_backward(kwargs, gemm):
+    """The grouped dispatch (fp32 on CPU here; bf16 on CUDA) against the per-expert loop."""
+    _needs(gemm)
     torch.manual_seed(0)
     kwargs.setdefault("num_experts", 4)
     kwargs.setdefault("top_k", 2)
-    moe = MoEFFN(D, F, gemm="grouped_mm", **kwargs)
+    moe = MoEFFN(D, F, gemm=gemm, **kwargs)
     with torch.no_grad():
         moe.router.weight.mul_(4.0)
     x = torch.randn(3, 37, D)  # 111 tokens: blocks of every size, none a multiple of 16
@@ -290,10 +301,11 @@ def test_grouped_mm_path_matches_naive_forward_and_backward(kwargs):
         torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
-def test_grouped_mm_path_under_bf16_autocast_on_cpu():
+@pytest.mark.parametrize("gemm", GROUPED_GEMMS)
+def test_grouped_mm_path_under_bf16_autocast_on_cpu(gemm):
+    _needs(gemm)
     torch.manual_seed(0)
-    moe = MoEFFN(D, F, 4, 2, capacity_factor=1.0, gemm="grouped_mm")
+    moe = MoEFFN(D, F, 4, 2, capacity_factor=1.0, gemm=gemm)
     x = torch.randn(2, 40, D, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = moe(x)
@@ -313,15 +325,16 @@ def _kept_in_priority_order(assignments: list[int], capacity: int) -> list[bool]
     return kept
 
 
-@pytest.mark.skipif(not grouped_mm_supported(), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("gemm", GROUPED_GEMMS)
 @pytest.mark.parametrize("top_k,capacity_factor", [(2, 0.5), (1, 0.75), (3, 0.75)])
-def test_grouped_mm_routing_under_skew_keeps_assignments_in_priority_order(top_k, capacity_factor):
+def test_grouped_mm_routing_under_skew_keeps_assignments_in_priority_order(top_k, capacity_factor, gemm):
     """Every token wants experts 0 and 1 (some 0 first, some 1 first), far beyond their capacity:
     the grouped path must keep exactly the first C assignments of each expert, first choices in
     token order, then second choices."""
+    _needs(gemm)
     torch.manual_seed(0)
     E, N = 4, 90
-    moe = MoEFFN(D, F, E, top_k, capacity_factor=capacity_factor, gemm="grouped_mm")
+    moe = MoEFFN(D, F, E, top_k, capacity_factor=capacity_factor, gemm=gemm)
     v, u = torch.randn(D), torch.randn(D)
     with torch.no_grad():
         moe.router.weight[0] = 2.0 * v

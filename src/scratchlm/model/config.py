@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from scratchlm.model.attention_backends import attention_backend_names
+from scratchlm.model.moe import GEMMS
 
 # The largest vocab_size, context_length, d_model, ... a config may name: far past any model, and
 # small enough that the product of two fits the int64 sizes of torch's tensors.
@@ -62,7 +63,8 @@ class ModelConfig:
     # experts' and the shared experts' w2) initialised to zero. lm_head keeps its init (tied, it
     # is the embedding table).
     zero_init_output: bool = False
-    moe_gemm: str = "auto"  # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "portable"
+    # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "triton", "portable"
+    moe_gemm: str = "auto"
     # ffn="moe": renormalise the top-k router probabilities to sum to 1 (true) or weight each
     # expert by its raw probability (false); none: renormalise when moe_top_k > 1.
     moe_renormalize: bool | None = None
@@ -109,8 +111,8 @@ class ModelConfig:
                     f"model.moe_top_k must be between 1 and model.moe_num_experts ({self.moe_num_experts}), "
                     f"got {self.moe_top_k}"
                 )
-            if self.moe_gemm not in ("auto", "grouped_mm", "portable"):
-                raise ValueError(f"model.moe_gemm must be 'auto', 'grouped_mm' or 'portable', got {self.moe_gemm!r}")
+            if self.moe_gemm not in GEMMS:
+                raise ValueError(f"model.moe_gemm must be one of {', '.join(GEMMS)}, got {self.moe_gemm!r}")
             if self.moe_shared_experts < 0:
                 raise ValueError(f"model.moe_shared_experts must be >= 0, got {self.moe_shared_experts}")
             if self.moe_capacity_factor is not None and not (

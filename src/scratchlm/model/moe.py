@@ -62,6 +62,7 @@ with.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -143,7 +144,7 @@ def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor
 
 
 GROUP_ALIGN = 16  # rows; each expert's block in the grouped GEMM starts at a multiple of this
-GEMMS = ("auto", "grouped_mm", "portable")
+GEMMS = ("auto", "grouped_mm", "triton", "portable")
 
 
 def grouped_mm_supported() -> bool:
@@ -185,7 +186,8 @@ class MoEFFN(nn.Module):
         if gemm not in GEMMS:
             raise UserError(f"moe: gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
         # "auto": the grouped GEMM on CUDA when the experts compute in bf16, else the portable
-        # matmul/bmm path; "grouped_mm" forces the grouped GEMM (fp32 too; CPU included).
+        # matmul/bmm path; "grouped_mm" forces the grouped GEMM (fp32 too; CPU included);
+        # "triton" the grouped GEMM of scratchlm's kernels (torch's formula where Triton cannot run).
         self.gemm = gemm
         self.d_model = d_model
         self.d_ff = d_ff
@@ -282,7 +284,7 @@ class MoEFFN(nn.Module):
         return out.view(shape)
 
     def _use_grouped_mm(self, x2: Tensor, compute_dtype: torch.dtype) -> bool:
-        if self.gemm == "grouped_mm":
+        if self.gemm in ("grouped_mm", "triton"):
             return True
         # The router's logits have the dtype the experts' matmuls will have (bf16 under autocast).
         return (self.gemm == "auto" and x2.is_cuda and compute_dtype == torch.bfloat16 and grouped_mm_supported()
@@ -292,45 +294,77 @@ class MoEFFN(nn.Module):
                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Routed output (N, D) and dropped count through two grouped GEMMs.
 
-        Assignment ``a`` (priority order, token ``a % N``) of expert ``e`` goes to row
-        ``block_start[e] + rank`` of a buffer of ``P`` rows (a bound of static size, so shapes
-        never depend on the routing), where ``rank`` counts the assignments of ``e`` before
-        ``a``: a cumulative sum over one-hot rows, no sort. The last block runs to the end of
-        the buffer, so every row belongs to a block and padding rows are zeros. Kept
-        assignments and buffer rows are in one-to-one correspondence, so moving rows either
-        way is a gather in the forward *and* in the backward (``_Dispatch`` / ``_Combine``):
-        no scatter-add, no atomics.
+        The assignments are laid out by expert in a buffer of static size (``block_layout``),
+        padding rows are zeros. Kept assignments and buffer rows are in one-to-one
+        correspondence, so moving rows either way is a gather in the forward *and* in the
+        backward (``_Dispatch`` / ``_Combine``): no scatter-add, no atomics.
+
+        ``gemm="grouped_mm"``: blocks aligned to 16 rows, two ``torch._grouped_mm`` calls.
+        ``gemm="triton"``: blocks aligned to 128 rows, `scratchlm.kernels.moe_triton`'s
+        kernels, which gather x's rows as they load them and apply SwiGLU (and its backward) in
+        their epilogues.
         """
-        N, E = x2.shape[0], self.num_experts
-        A = flat_expert.numel()
-        one_hot = (flat_expert[:, None] == torch.arange(E, device=x2.device)).to(torch.int32)  # (A, E)
-        seen = torch.cumsum(one_hot, 0, dtype=torch.int32)  # (A, E) assignments of e up to a
-        rank = seen.gather(1, flat_expert[:, None]).squeeze(1) - 1  # (A,) place within its expert
-        counts = seen[-1]  # (E,)
-        kept = counts if self.capacity_factor is None else counts.clamp(
-            max=expert_capacity(N, E, self.top_k, self.capacity_factor))
-        blocks = (kept + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-        ends = torch.cumsum(blocks, 0)
-        P = (A + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN + E * GROUP_ALIGN
-        offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)  # (E,) block ends
+        N, E, k = x2.shape[0], self.num_experts, self.top_k
+        capacity = None if self.capacity_factor is None else expert_capacity(N, E, k, self.capacity_factor)
+        triton_gemm = self.gemm == "triton"
+        if triton_gemm:  # imported here: triton loads only for the layers that use it
+            from scratchlm.kernels.moe_triton import ALIGN, grouped_swiglu
+        lay = block_layout(flat_expert, E, capacity, ALIGN if triton_gemm else GROUP_ALIGN)
+        gate = flat_gate * lay.keep  # dropped assignments add nothing
+        if triton_gemm:
+            row_token = torch.where(lay.filled, lay.assign_of % N, -1).to(torch.int32)
+            token_rows = torch.where(lay.keep, lay.row, -1).view(k, N)
+            w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
+            y = grouped_swiglu(x2, row_token, lay.offs, lay.kept.to(torch.int32), token_rows, w13,
+                               self.w2.to(dtype))
+        else:
+            buf = _Dispatch.apply(x2, lay.assign_of % N, lay.filled, lay.row, lay.keep, k, dtype)  # (P, D)
+            w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
+            h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=lay.offs)  # (P, 2F)
+            h1, h3 = h.split(self.d_ff, dim=-1)
+            y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=lay.offs)  # (P, D)
+        out = _Combine.apply(y, gate, lay.row, lay.assign_of, lay.filled, k)
+        return out, flat_expert.numel() - lay.keep.sum()
 
-        keep = rank < kept[flat_expert]
-        # (A,) assignment -> buffer row, or P when dropped
-        row_of = torch.where(keep, (ends - blocks)[flat_expert] + rank, P)
-        assign_of = torch.full((P + 1,), A, device=x2.device, dtype=row_of.dtype)
-        assign_of[row_of] = torch.arange(A, device=x2.device)  # dropped ones all land on the extra entry P
-        assign_of = assign_of[:P]  # (P,) buffer row -> assignment, or A for padding
-        filled = assign_of < A
-        gate = flat_gate * keep  # dropped assignments add nothing
-        row = row_of.clamp(max=P - 1)  # (A,) a valid row for every assignment; dropped ones gate 0 / masked
 
-        buf = _Dispatch.apply(x2, assign_of % N, filled, row, keep, self.top_k, dtype)  # (P, D)
-        w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
-        h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=offs)  # (P, 2F)
-        h1, h3 = h.split(self.d_ff, dim=-1)
-        y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=offs)  # (P, D)
-        out = _Combine.apply(y, gate, row, assign_of, filled, self.top_k)
-        return out, A - keep.sum()
+class BlockLayout(NamedTuple):
+    """Where each (token, choice) assignment sits in the grouped GEMMs' buffer of ``P`` rows."""
+
+    offs: Tensor  # (E,) int32 block ends; the last is P
+    kept: Tensor  # (E,) rows each expert holds, at the start of its block
+    keep: Tensor  # (A,) bool: the assignment was kept (not dropped for lack of capacity)
+    row: Tensor  # (A,) its buffer row (any valid row when dropped)
+    assign_of: Tensor  # (P,) the assignment a row holds, A for padding
+    filled: Tensor  # (P,) bool: the row holds an assignment
+
+
+def block_layout(flat_expert: Tensor, num_experts: int, capacity: int | None, align: int) -> BlockLayout:
+    """The buffer layout of assignments ``flat_expert`` (A,) (priority order) grouped by expert.
+
+    Assignment ``a`` of expert ``e`` goes to row ``block_start[e] + rank``, where ``rank``
+    counts the assignments of ``e`` before ``a`` (a cumulative sum over one-hot rows, no sort);
+    those with ``rank >= capacity`` are dropped. Each block starts at a multiple of ``align``
+    rows, and ``P`` is a bound of static size (shapes never depend on the routing): the last
+    block runs to the end of the buffer, so every row belongs to a block.
+    """
+    E, A = num_experts, flat_expert.numel()
+    device = flat_expert.device
+    one_hot = (flat_expert[:, None] == torch.arange(E, device=device)).to(torch.int32)  # (A, E)
+    seen = torch.cumsum(one_hot, 0, dtype=torch.int32)  # (A, E) assignments of e up to a
+    rank = seen.gather(1, flat_expert[:, None]).squeeze(1) - 1  # (A,) place within its expert
+    counts = seen[-1]  # (E,)
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    blocks = (kept + align - 1) // align * align
+    ends = torch.cumsum(blocks, 0)
+    P = (A + align - 1) // align * align + E * align
+    offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)
+
+    keep = rank < kept[flat_expert]
+    row_of = torch.where(keep, (ends - blocks)[flat_expert] + rank, P)  # (A,) buffer row, or P when dropped
+    assign_of = torch.full((P + 1,), A, device=device, dtype=row_of.dtype)
+    assign_of[row_of] = torch.arange(A, device=device)  # dropped ones all land on the extra entry P
+    assign_of = assign_of[:P]
+    return BlockLayout(offs, kept, keep, row_of.clamp(max=P - 1), assign_of, assign_of < A)
 
 
 class _Dispatch(torch.autograd.Function):
