@@ -215,13 +215,25 @@ def _block_starts(offs: torch.Tensor) -> torch.Tensor:
     return torch.cat([offs.new_zeros(1), offs[:-1]])
 
 
+def _expert_of_rows(offs: torch.Tensor, P: int) -> torch.Tensor:
+    """(P,) the expert whose block holds each row."""
+    rows = torch.arange(P, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True).clamp(max=offs.shape[0] - 1)
+
+
 def _rows_reference(a, row_token, offs, b, h, epilogue: int, gather: bool):
-    """The rows GEMM with torch, one matmul per expert block; b (E, N, K). Returns (C, H or None)."""
+    """The rows GEMM with torch; b (E, N, K). Returns (C, H or None) as the kernel writes them.
+
+    Every expert's matmul runs over all the rows and keeps its block's (E times the FLOPs): no
+    host sync, so torch.compile can trace it on any device. It is the path for tensors Triton
+    cannot run, small ones (tests, CPU).
+    """
     P = row_token.shape[0]
-    src = a[row_token.clamp(min=0).long()] if gather else a
-    prod = src.new_zeros((P, b.shape[1]), dtype=torch.float32)
-    for e, (s, t) in enumerate(zip(_block_starts(offs).tolist(), offs.tolist())):
-        prod[s:t] = src[s:t].to(b.dtype).float() @ b[e].float().t()
+    src = (a[row_token.clamp(min=0).long()] if gather else a).to(b.dtype).float()
+    expert = _expert_of_rows(offs, P)[:, None]
+    prod = src.new_zeros((P, b.shape[1]))
+    for e in range(b.shape[0]):
+        prod = torch.where(expert == e, src @ b[e].float().t(), prod)
     prod = torch.where((row_token >= 0)[:, None], prod, 0).to(b.dtype)
     if epilogue == 0:
         return prod, None
@@ -309,13 +321,14 @@ def moe_rows(a: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor, b: to
 def _expert_grad_impl(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor,
                       kept: torch.Tensor, gather_b: bool) -> torch.Tensor:
     E, M, N = offs.shape[0], a.shape[1], b.shape[1]
+    if not _can_use_triton(a):  # torch, without a host sync (see _rows_reference)
+        P = row_token.shape[0]
+        src = (b[row_token.clamp(min=0).long()] if gather_b else b[:P]).to(a.dtype).float()
+        place = torch.arange(P, device=a.device) - _block_starts(offs)[_expert_of_rows(offs, P)]
+        expert = _expert_of_rows(offs, P)
+        mine = (expert[None, :] == torch.arange(E, device=a.device)[:, None]) & (place < kept[expert])[None, :]
+        return torch.einsum("ep,pm,pn->emn", mine.float(), a.float(), src).to(a.dtype)
     c = a.new_empty((E, M, N))
-    if not _can_use_triton(a):
-        for e, (s, count) in enumerate(zip(_block_starts(offs).tolist(), kept.tolist())):
-            rows = slice(s, s + count)
-            src = b[row_token[rows].long()] if gather_b else b[rows]
-            c[e] = (a[rows].float().t() @ src.to(a.dtype).float()).to(c.dtype)
-        return c
     args = (a, b, row_token, offs, kept, c, M, N, a.stride(0), b.stride(0))
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     with _device(a):
