@@ -265,7 +265,9 @@ def _rows_impl(a: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor, b: 
     K = a.shape[1]
     sbe, sbn, sbk = _b_strides(b, epilogue)
     F = n if epilogue else 0
-    args = (a, row_token, offs, b, c, hh if epilogue == 1 else h, P, n, K, F, a.stride(0), sbe, sbn, sbk, c.stride(0))
+    # H: written by epilogue 1, read by epilogue 2, unused by 0 (then any valid buffer)
+    H = {0: c, 1: hh, 2: h}[epilogue]
+    args = (a, row_token, offs, b, c, H, P, n, K, F, a.stride(0), sbe, sbn, sbk, c.stride(0))
     flags = dict(NUM_EXPERTS=E, E_POW2=triton.next_power_of_2(E), GATHER=gather, EPILOGUE=epilogue,
                  GROUP_M=8, **_dot_flags(b))
     grid = lambda meta: (P // meta["BLOCK_M"] * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
