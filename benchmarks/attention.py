@@ -10,6 +10,9 @@ causal) and 2.5x that for the backward; times are medians of triton.testing.do_b
 (`flash_attention_triton.using_backward_dq("atomic")`: dQ added into float32 by the dK/dV kernel, no dQ
 kernel) and its ratio to the default backward (`x recompute`), checking its gradients first.
 It ends by printing the tile configs scratchlm's autotuners chose in the run (per kernel and key).
+`--cuda-graphs` times each side's step replayed from a CUDA graph instead (warmed up, autotuned, then
+captured once): the GPU's time alone, without the host's time to launch the kernels, which an eager
+step includes wherever the host falls behind the GPU (short sequences, where a step is ~1 ms).
 """
 
 from __future__ import annotations
@@ -41,7 +44,22 @@ IMPLS = {
 }
 
 
-def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
+def _graphed(step):
+    """`step` captured as a CUDA graph (after warm-up steps on a side stream, which also run the
+    autotuners); returns the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _time(fn, mode, q, k, v, g, causal, dq="recompute", graphs=False):
     import triton
 
     if mode == "forward":
@@ -53,7 +71,8 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute"):
             out = fn(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), g)
     with using_backward_dq(dq):
-        return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") / 1e3
+        run = _graphed(step) if graphs else step
+        return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") / 1e3
 
 
 def tuned_configs() -> dict[str, list[int]]:
@@ -83,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=["forward", "forward_backward"])
     p.add_argument("--atomic-dq", action="store_true",
                    help="also time forward+backward with the five-matmul backward (dQ by atomic adds)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="time every step replayed from a CUDA graph (GPU time without host launch time)")
     p.add_argument("--json", help="write all rows to this file")
     return p
 
@@ -102,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'seq':>6}{'d':>5}{'causal':>7}{'mode':>17}{'ours':>8}{'flash':>8}{'cudnn':>8}"
               f"{'x flash':>9}{'x cudnn':>9}   (TFLOP/s)")
     print(torch.cuda.get_device_name(), "bf16, hidden", args.hidden, "tokens", args.tokens,
-          "kv heads", args.kv_heads or "all")
+          "kv heads", args.kv_heads or "all", "CUDA graphs" if args.cuda_graphs else "eager")
     print(header, flush=True)
     for d in args.head_dims:
         for seq in args.seqs:
@@ -123,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     flops = attention_flops(B, H, seq, d, causal, mode)
                     for name, fn in IMPLS.items():
                         try:
-                            t = _time(fn, mode, q, k, v, g, causal)
+                            t = _time(fn, mode, q, k, v, g, causal, graphs=args.cuda_graphs)
                             row[name] = {"seconds": t, "tflops": flops / t / 1e12}
                         except RuntimeError as exc:  # a backend may refuse a shape
                             row[name] = {"error": str(exc).splitlines()[0][:200]}
@@ -136,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.atomic_dq and mode == "forward_backward":
                         fn = IMPLS["scratchlm_triton"]
                         row["atomic_dq_grad_err"] = _atomic_dq_error(q, k, v, g, causal)
-                        t = _time(fn, mode, q, k, v, g, causal, dq="atomic")
+                        t = _time(fn, mode, q, k, v, g, causal, dq="atomic", graphs=args.cuda_graphs)
                         row["scratchlm_triton_atomic_dq"] = {"seconds": t, "tflops": flops / t / 1e12}
                         row["atomic_dq_ratio"] = ratio(flops / t / 1e12, tf["scratchlm_triton"])
                         atomic = (f"   atomic dQ {flops / t / 1e12:6.1f} TFLOP/s, x recompute "
@@ -151,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print("autotuned configs (BLOCK_M, BLOCK_N, warps, stages):",
           "; ".join(f"{k}: {tuple(v)}" for k, v in configs.items()), flush=True)
     if args.json:
-        write_json(args.json, {**environment(), "rows": rows, "tuned_configs": configs})
+        write_json(args.json, {**environment(), "cuda_graphs": args.cuda_graphs, "rows": rows,
+                               "tuned_configs": configs})
     return 0
 
 

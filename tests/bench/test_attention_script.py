@@ -1,5 +1,6 @@
 """benchmarks/attention.py's `--atomic-dq` helpers leave the backward's dQ mode as they found it."""
 
+import pytest
 import torch
 
 from scratchlm.kernels import flash_attention_triton as fa
@@ -38,3 +39,31 @@ def test_tuned_configs_reads_what_each_autotuner_chose(monkeypatch):
     chosen = load("attention").tuned_configs()
     assert chosen["dq_tuned 1024,64,True,False"] == [64, 32, 4, 3]
     assert not any(k.startswith("fwd_tuned ") for k in chosen)
+
+
+def test_cuda_graphs_is_a_documented_option():
+    args = load("attention").build_parser().parse_args(["--seqs", "1024", "--cuda-graphs"])
+    assert args.cuda_graphs and not load("attention").build_parser().parse_args([]).cuda_graphs
+
+
+@pytest.mark.gpu
+def test_graphed_step_replays_the_same_gradients():
+    script = load("attention")
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    grads = []
+
+    def step():
+        out = script.IMPLS["scratchlm_triton"](q, k, v, True)
+        grads[:] = torch.autograd.grad(out, (q, k, v), g)
+
+    step()
+    want = [t.clone() for t in grads]
+    replay = script._graphed(step)
+    for t in grads:
+        t.zero_()
+    replay()
+    torch.cuda.synchronize()
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected)
+    assert script._time(script.IMPLS["scratchlm_triton"], "forward_backward", q, k, v, g, True, graphs=True) > 0
