@@ -1,4 +1,6 @@
+import contextlib
 import io
+import os
 
 import numpy as np
 import pytest
@@ -219,6 +221,29 @@ def test_a_truncated_single_file_checkpoint_names_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(UserError, match=rf"{path}.*damaged"):
         ckpt.load_checkpoint(path, _trained(steps=0)[0])
+
+
+def test_a_single_file_save_cut_off_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = _trained()
+    path = tmp_path / "c.pt"
+    ckpt.save_checkpoint(model, opt, 3, path)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def cut_off(obj, f, *args, **kwargs):  # half the bytes reach the file, then Ctrl-C
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        with open(f, "wb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as sink:
+            sink.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(model, opt, 4, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # (no temporary file left)
+    monkeypatch.undo()
+    assert ckpt.load_checkpoint(path, _trained(steps=0)[0]) == 3
 
 
 def test_a_run_without_latest_loads_its_newest_step(tmp_path):

@@ -89,7 +89,9 @@ def save_checkpoint(
     """Save model weights, optimizer state and the iteration number to one file (or file object).
 
     `model_config` (a ModelConfig, default: `model.config` when the model has one) is stored
-    too, so `load_trained_model` can rebuild the model from this file alone.
+    too, so `load_trained_model` can rebuild the model from this file alone. A path is replaced
+    in one step (`scratchlm.fileio.atomic_open`): a save cut off (Ctrl-C, a full disk, a killed
+    process) leaves the checkpoint that was there before, never a truncated one.
     """
     from scratchlm.config import config_to_dict
 
@@ -100,7 +102,13 @@ def save_checkpoint(
         "iteration": int(iteration),
         "model_config": config_to_dict(model_config) if model_config is not None else None,
     }
-    torch.save(payload, out)
+    if isinstance(out, (str, os.PathLike)):
+        from scratchlm.fileio import atomic_open
+
+        with atomic_open(out, "wb") as f:
+            torch.save(payload, f)
+    else:
+        torch.save(payload, out)
 
 
 def load_checkpoint(
