@@ -30,3 +30,23 @@ def test_values_no_model_can_use_are_refused(kwargs, message):
 def test_the_edges_that_work_are_accepted():
     ModelConfig(rmsnorm_eps=0.0)
     ModelConfig(ffn="moe", moe_capacity_factor=1e-3, moe_aux_coef=0.0, moe_z_coef=0.0)
+
+
+@pytest.mark.parametrize("kwargs, note", [
+    ({"moe_top_k": 4}, "model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn='moe'; this "
+                       "model's ffn is 'swiglu')"),
+    ({"ffn": "relu2", "moe_num_experts": 4, "moe_aux_coef": 0.1},
+     "model.moe_num_experts=4, model.moe_aux_coef=0.1 have no effect (the moe_* options apply to model.ffn='moe'; "
+     "this model's ffn is 'relu2')"),
+    ({"use_rope": False, "rope_theta": 5e5}, "model.rope_theta=500000.0 has no effect (model.use_rope=false: no RoPE)"),
+])
+def test_options_the_model_never_reads_are_named(kwargs, note):
+    assert ModelConfig(**kwargs).ignored_options() == [note]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"ffn": "moe", "moe_top_k": 4, "moe_num_experts": 4}, {"rope_theta": 5e5}, {"use_rope": False},
+    {"ffn": "relu2"},
+])
+def test_options_the_model_reads_are_not_named(kwargs):
+    assert ModelConfig(**kwargs).ignored_options() == []

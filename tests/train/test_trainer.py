@@ -266,6 +266,21 @@ def test_a_warmup_longer_than_the_run_is_warned_about(cfg, tmp_path, caplog):
     assert "warmup_steps" not in caplog.text
 
 
+def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
+    import logging
+
+    note = ("note: model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn='moe'; this model's ffn "
+            "is 'swiglu')")
+    moe_options = replace(cfg, model=replace(cfg.model, moe_top_k=4), trainer=replace(cfg.trainer, max_steps=1))
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(moe_options)
+    assert note in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scratchlm"):
+        run_training(_with_out(replace(cfg, trainer=replace(cfg.trainer, max_steps=1)), tmp_path / "normal"))
+    assert not [m for m in caplog.messages if m.startswith("note:")]
+
+
 def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):
     import time
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from scratchlm.model.attention_backends import attention_backend_names
 from scratchlm.model.moe import GEMMS
@@ -131,3 +131,23 @@ class ModelConfig:
         if self.attention_backend not in attention_backend_names():
             names = ", ".join(repr(name) for name in attention_backend_names())
             raise ValueError(f"model.attention_backend must be one of {names}, got {self.attention_backend!r}")
+
+    def ignored_options(self) -> list[str]:
+        """One line for each group of options set away from their defaults that this model never
+        reads (the moe_* options of a model whose ffn is not "moe", rope_theta without RoPE), for a
+        command to print: they would otherwise be ignored silently."""
+        defaults = ModelConfig()
+        changed = [f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)]
+        notes = []
+        moe = [name for name in changed if name.startswith("moe_")]
+        if moe and self.ffn != "moe":
+            notes.append(f"{_settings(self, moe)} {'has' if len(moe) == 1 else 'have'} no effect (the moe_* "
+                         f"options apply to model.ffn='moe'; this model's ffn is {self.ffn!r})")
+        if "rope_theta" in changed and not self.use_rope:
+            notes.append(f"{_settings(self, ['rope_theta'])} has no effect (model.use_rope=false: no RoPE)")
+        return notes
+
+
+def _settings(config: object, names: list[str], section: str = "model") -> str:
+    """"model.a=1, model.b='x'": the options `names` of `config` as a command line would set them."""
+    return ", ".join(f"{section}.{name}={getattr(config, name)!r}" for name in names)

@@ -101,7 +101,8 @@ _clock = time.perf_counter  # the training clock's time source (tests substitute
 PLOT_EVERY_S = 300.0  # plots are redrawn at an evaluation at most this often (and at the end)
 
 
-__all__ = ["Trainer", "check_combinations", "deterministic_algorithms", "seed_everything", "warmup_seq_len"]
+__all__ = ["Trainer", "check_combinations", "deterministic_algorithms", "ignored_options", "seed_everything",
+           "warmup_seq_len"]
 
 SEQ_LEN_STAGES = 4  # trainer.seq_len_warmup_steps: windows of 1/8, 1/4, 1/2, then all of context_length
 
@@ -144,6 +145,13 @@ def check_combinations(cfg: TrainConfig) -> None:
     if tc.time_budget_s and cfg.optim.cosine_steps is not None:
         raise UserError("optim.cosine_steps sets the decay in steps, but with trainer.time_budget_s the decay "
                         "follows the clock: leave optim.cosine_steps unset")
+
+
+def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
+    """One line for each option `cfg` sets (away from its default) that this run never reads,
+    because another option or the device makes it have no effect; the trainer logs them as notes
+    so that such an option is not ignored silently."""
+    return cfg.model.ignored_options()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -251,6 +259,9 @@ class Trainer:
             log.warning("optim.warmup_steps=%d is not below trainer.max_steps=%d: the learning rate rises for the "
                         "whole run (to %.0f%% of optim.lr=%g) and never decays; lower optim.warmup_steps",
                         warmup, tc.max_steps, 100 * tc.max_steps / warmup, cfg.optim.lr)
+        if self.is_main and not self.finished:
+            for note in ignored_options(cfg, self.device):
+                log.warning("note: %s", note)
         if self.is_main and not self.finished:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", self.config_text)
