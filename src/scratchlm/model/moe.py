@@ -31,8 +31,11 @@ contiguous block, and each block is one matrix multiply:
   assignments in priority order, a cumulative sum over one-hot (assignment, expert) rows. The
   block offsets stay on the device, so neither mode synchronises with the host, and capacity
   costs only the FLOPs of the kept assignments, not ``E · C`` rows.
+- ``gemm="triton"``: the same layout with blocks of multiples of 128 rows, and scratchlm's
+  grouped GEMM kernels (`scratchlm.kernels.moe_triton`) in place of ``torch._grouped_mm``: they
+  gather x's rows as they load them and apply SwiGLU, and its backward, in their epilogues.
 
-Both paths use gathers only (no scatter-add in the forward), so results do not depend on
+Every path uses gathers only (no scatter-add in the forward), so results do not depend on
 atomics' order.
 
 After each forward ``self.last_aux`` holds the router statistics and the two auxiliary
