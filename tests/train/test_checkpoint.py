@@ -134,6 +134,35 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000010"]
 
 
+def test_resaving_a_step_leaves_one_whole_copy_at_every_moment(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from scratchlm.fileio import exchange_paths
+
+    model, opt = _trained()
+    _save_step(tmp_path, 10, model, opt)
+    probe = tmp_path / "probe"
+    (probe / "a").mkdir(parents=True), (probe / "b").mkdir()
+    if not exchange_paths(probe / "a", probe / "b"):
+        pytest.skip("no atomic exchange of two paths here")
+    real_rename = Path.rename
+
+    def killed_after_moving_the_old_copy_aside(self, target):
+        real_rename(self, target)
+        if self.name == "step_000010":
+            raise Killed  # between moving the old copy aside and renaming the new one in
+
+    class Killed(Exception):
+        pass
+
+    monkeypatch.setattr(Path, "rename", killed_after_moving_the_old_copy_aside)
+    with contextlib.suppress(Killed):
+        _save_step(tmp_path, 10, model, opt)
+    monkeypatch.undo()
+    assert ckpt.find_resume_checkpoint(tmp_path).name == "step_000010"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000010"]
+
+
 @pytest.mark.parametrize("which", ["run", "step", "weights_file", "single_file", "optimizer_file",
                                    "state_file", "latest_file"])
 def test_load_trained_model_from_every_kind_of_path(tmp_path, which):

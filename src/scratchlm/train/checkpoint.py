@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from scratchlm.errors import UserError
+from scratchlm.fileio import atomic_open, exchange_paths
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -103,8 +104,6 @@ def save_checkpoint(
         "model_config": config_to_dict(model_config) if model_config is not None else None,
     }
     if isinstance(out, (str, os.PathLike)):
-        from scratchlm.fileio import atomic_open
-
         with atomic_open(out, "wb") as f:
             torch.save(payload, f)
     else:
@@ -289,7 +288,9 @@ def commit_step(run_dir: str | os.PathLike, step: int, *, keep: int) -> Path:
         _fsync(path)
     write_checksums(staging)
     final = ckpt / step_dir_name(step)
-    if final.exists():  # re-saving a step: move the old copy aside first (rename needs no target)
+    if final.exists() and exchange_paths(staging, final):  # re-saving a step: swap in one step
+        shutil.rmtree(staging)  # (now the old copy)
+    elif final.exists():  # (no atomic swap here: move the old copy aside first, rename needs no target)
         old = ckpt / f"{_STAGING_PREFIX}old-{step_dir_name(step)}"
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
