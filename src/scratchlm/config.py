@@ -316,6 +316,15 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
+def settings_text(section: str, config: Any, names: Sequence[str]) -> str:
+    """The fields `names` of `config` as a config sets them, for a message: with ``section="trainer"``,
+    ``trainer.compile_mode="max-autotune", trainer.compile_eval=true`` ("none" for None); followed by
+    "has" or "have" to suit their number."""
+    values = [f"{section}.{name}={_toml_value(v) if (v := getattr(config, name)) is not None else 'none'}"
+              for name in names]
+    return f"{', '.join(values)} {'has' if len(values) == 1 else 'have'}"
+
+
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as TOML (the run directory's ``config.toml``)."""
     write_text_atomic(path, config_to_toml(cfg))

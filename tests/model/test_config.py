@@ -33,11 +33,11 @@ def test_the_edges_that_work_are_accepted():
 
 
 @pytest.mark.parametrize("kwargs, note", [
-    ({"moe_top_k": 4}, "model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn='moe'; this "
-                       "model's ffn is 'swiglu')"),
-    ({"ffn": "relu2", "moe_num_experts": 4, "moe_aux_coef": 0.1},
-     "model.moe_num_experts=4, model.moe_aux_coef=0.1 have no effect (the moe_* options apply to model.ffn='moe'; "
-     "this model's ffn is 'relu2')"),
+    ({"moe_top_k": 4}, 'model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn="moe"; this '
+                       'model\'s ffn is "swiglu")'),
+    ({"ffn": "relu2", "moe_num_experts": 4, "moe_aux_coef": 0.1, "moe_renormalize": False},
+     'model.moe_num_experts=4, model.moe_aux_coef=0.1, model.moe_renormalize=false have no effect (the moe_* options '
+     'apply to model.ffn="moe"; this model\'s ffn is "relu2")'),
     ({"use_rope": False, "rope_theta": 5e5}, "model.rope_theta=500000.0 has no effect (model.use_rope=false: no RoPE)"),
 ])
 def test_options_the_model_never_reads_are_named(kwargs, note):

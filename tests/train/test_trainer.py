@@ -269,8 +269,8 @@ def test_a_warmup_longer_than_the_run_is_warned_about(cfg, tmp_path, caplog):
 def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
     import logging
 
-    note = ("note: model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn='moe'; this model's ffn "
-            "is 'swiglu')")
+    note = ('note: model.moe_top_k=4 has no effect (the moe_* options apply to model.ffn="moe"; this model\'s ffn '
+            'is "swiglu")')
     moe_options = replace(cfg, model=replace(cfg.model, moe_top_k=4), trainer=replace(cfg.trainer, max_steps=1))
     with caplog.at_level(logging.WARNING, logger="scratchlm"):
         run_training(moe_options)
@@ -279,6 +279,31 @@ def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="scratchlm"):
         run_training(_with_out(replace(cfg, trainer=replace(cfg.trainer, max_steps=1)), tmp_path / "normal"))
     assert not [m for m in caplog.messages if m.startswith("note:")]
+
+
+@pytest.mark.parametrize("trainer, device, note", [
+    ({"compile_mode": "max-autotune"}, "cpu",
+     'trainer.compile_mode="max-autotune" has no effect (trainer.compile=false: the model runs eagerly)'),
+    ({"compile_scope": "blocks", "compile_eval": True}, "cuda",
+     'trainer.compile_scope="blocks", trainer.compile_eval=true have no effect (trainer.compile=false: the model '
+     'runs eagerly)'),
+    ({"compile": True, "compile_mode": "reduce-overhead"}, "cpu",
+     'trainer.compile_mode="reduce-overhead" has no effect on cpu (its CUDA graphs need a CUDA device); the model '
+     'compiles as with "default"'),
+])
+def test_compile_options_without_effect_are_noted(cfg, trainer, device, note):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer))
+    assert trainer_mod.ignored_options(cfg, torch.device(device)) == [note]
+
+
+@pytest.mark.parametrize("trainer, device", [
+    ({}, "cpu"), ({"compile": True, "compile_mode": "max-autotune", "compile_eval": True}, "cpu"),
+    ({"compile": True, "compile_mode": "reduce-overhead"}, "cuda"),
+    ({"compile": True, "compile_scope": "blocks"}, "cpu"),
+])
+def test_compile_options_with_effect_are_not_noted(cfg, trainer, device):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer))
+    assert trainer_mod.ignored_options(cfg, torch.device(device)) == []
 
 
 def test_a_time_budget_stops_with_checkpoint_eval_and_end(cfg, tmp_path):

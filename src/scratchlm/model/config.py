@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from scratchlm.config import settings_text
 from scratchlm.model.attention_backends import attention_backend_names
 from scratchlm.model.moe import GEMMS
 
@@ -141,13 +142,9 @@ class ModelConfig:
         notes = []
         moe = [name for name in changed if name.startswith("moe_")]
         if moe and self.ffn != "moe":
-            notes.append(f"{_settings(self, moe)} {'has' if len(moe) == 1 else 'have'} no effect (the moe_* "
-                         f"options apply to model.ffn='moe'; this model's ffn is {self.ffn!r})")
+            notes.append(f"{settings_text('model', self, moe)} no effect (the moe_* options apply to "
+                         f"model.ffn=\"moe\"; this model's ffn is \"{self.ffn}\")")
         if "rope_theta" in changed and not self.use_rope:
-            notes.append(f"{_settings(self, ['rope_theta'])} has no effect (model.use_rope=false: no RoPE)")
+            notes.append(f"{settings_text('model', self, ['rope_theta'])} no effect (model.use_rope=false: no RoPE)")
         return notes
 
-
-def _settings(config: object, names: list[str], section: str = "model") -> str:
-    """"model.a=1, model.b='x'": the options `names` of `config` as a command line would set them."""
-    return ", ".join(f"{section}.{name}={getattr(config, name)!r}" for name in names)

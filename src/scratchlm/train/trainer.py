@@ -63,6 +63,7 @@ batch_size / (grad_accum_steps · world_size)).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -77,7 +78,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from scratchlm.config import config_to_dict, config_to_toml
+from scratchlm.config import config_to_dict, config_to_toml, settings_text
 from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
@@ -87,7 +88,7 @@ from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
-from scratchlm.train.config import TrainConfig
+from scratchlm.train.config import TrainConfig, TrainerConfig
 from scratchlm.train.data_feed import TrainData, evaluation_totals
 from scratchlm.train.interrupt import StopSignals, TrainingInterrupted, signal_name, stop_signals
 from scratchlm.train.metrics import (
@@ -151,7 +152,18 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     """One line for each option `cfg` sets (away from its default) that this run never reads,
     because another option or the device makes it have no effect; the trainer logs them as notes
     so that such an option is not ignored silently."""
-    return cfg.model.ignored_options()
+    tc, defaults = cfg.trainer, TrainerConfig()
+    changed = {f.name for f in dataclasses.fields(tc) if getattr(tc, f.name) != getattr(defaults, f.name)}
+    notes = cfg.model.ignored_options()
+    compile_options = [name for name in ("compile_mode", "compile_scope", "compile_cache_dir", "compile_eval")
+                       if name in changed]
+    if compile_options and not tc.compile:
+        notes.append(f"{settings_text('trainer', tc, compile_options)} no effect (trainer.compile=false: "
+                     "the model runs eagerly)")
+    elif tc.compile and tc.compile_mode == "reduce-overhead" and device.type != "cuda":
+        notes.append(f"trainer.compile_mode=\"reduce-overhead\" has no effect on {device.type} (its CUDA graphs "
+                     "need a CUDA device); the model compiles as with \"default\"")
+    return notes
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
