@@ -88,6 +88,27 @@ def test_hf_policy_from_a_random_llama(tiny_tokenizer, tmp_path):
     assert len(sampled) == 2
 
 
+def test_an_hf_policy_save_cut_off_keeps_the_policy_saved_before(tiny_tokenizer, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    policy = load_policy(_save_random_llama(tmp_path, tiny_tokenizer))
+    out = tmp_path / "run" / "policy"
+    policy.save(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def cut_off(directory, *args, **kwargs):  # the weights half written, then a full disk
+        from pathlib import Path
+
+        (Path(directory) / "model.safetensors").write_bytes(before["model.safetensors"][:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(policy.model, "save_pretrained", cut_off)
+    with pytest.raises(OSError, match="No space left"):
+        policy.save(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in out.parent.iterdir()] == ["policy"]  # (no temporary folder left)
+    assert isinstance(load_policy(out), HFPolicy)
+
+
 @pytest.mark.parametrize("damage, message", [
     ("config", "cannot load the model .*OSError"),  # was transformers' OSError, exit 1
     ("model_type", "cannot load the model .*ValueError: Unrecognized model"),

@@ -27,7 +27,7 @@ from torch import nn
 
 from scratchlm.align.prompts import truncate_at_stop
 from scratchlm.errors import UserError
-from scratchlm.fileio import write_text_atomic
+from scratchlm.fileio import replacing_tree, write_text_atomic
 
 
 @dataclass
@@ -285,10 +285,13 @@ class HFPolicy:
         return twin
 
     def save(self, out: str | os.PathLike, *, step: int = 0) -> Path:
-        """`save_pretrained` of the model and tokenizer into `out`."""
+        """`save_pretrained` of the model and tokenizer into `out`, which is replaced whole
+        (`scratchlm.fileio.replacing_tree`): a save cut off (Ctrl-C, a full disk, a killed
+        process) leaves the policy saved there before, never a truncated one."""
         path = Path(out)
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        with replacing_tree(path) as staging:
+            self.model.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
         return path
 
 
