@@ -31,3 +31,24 @@ def test_min_lr_may_equal_lr_and_is_unused_by_a_constant_schedule():
     assert OptimConfig(lr=1e-3, min_lr=1e-2, schedule="constant").schedule == "constant"
     assert OptimConfig(lr=1e-3, min_lr=0.0).min_lr == 0.0
     assert OptimConfig(name="muon", muon_lr=None).muon_lr is None
+
+
+@pytest.mark.parametrize("kwargs, note", [
+    ({"muon_lr": 0.02}, 'optim.muon_lr=0.02 has no effect (the muon_* options apply to optim.name="muon"; this run\'s '
+                        'optimizer is "adamw")'),
+    ({"decay_fraction": 0.1, "decay_shape": "1-sqrt"},
+     'optim.decay_fraction=0.1, optim.decay_shape="1-sqrt" have no effect (optim.decay_fraction and '
+     'optim.decay_shape apply to optim.schedule="wsd"; this run\'s schedule is "cosine")'),
+    ({"schedule": "constant", "cosine_steps": 500},
+     'optim.cosine_steps=500 has no effect (optim.schedule="constant" never decays)'),
+])
+def test_options_the_optimizer_and_schedule_never_read_are_named(kwargs, note):
+    assert OptimConfig(**kwargs).ignored_options() == [note]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"name": "muon", "muon_lr": 0.02, "muon_momentum": 0.9}, {"schedule": "wsd", "decay_fraction": 0.1},
+    {"schedule": "linear", "cosine_steps": 500}, {"schedule": "constant", "min_lr": 0.0},
+])
+def test_options_the_optimizer_and_schedule_read_are_not_named(kwargs):
+    assert OptimConfig(**kwargs).ignored_options() == []

@@ -281,6 +281,12 @@ def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
     assert not [m for m in caplog.messages if m.startswith("note:")]
 
 
+def test_optimizer_options_without_effect_are_noted(cfg):
+    assert trainer_mod.ignored_options(replace(cfg, optim=replace(cfg.optim, muon_momentum=0.9)), torch.device("cpu")) \
+        == ['optim.muon_momentum=0.9 has no effect (the muon_* options apply to optim.name="muon"; this run\'s '
+            'optimizer is "adamw")']
+
+
 @pytest.mark.parametrize("trainer, device, note", [
     ({"compile_mode": "max-autotune"}, "cpu",
      'trainer.compile_mode="max-autotune" has no effect (trainer.compile=false: the model runs eagerly)'),

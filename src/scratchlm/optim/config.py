@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from scratchlm.config import settings_text
 
 OPTIMIZER_NAMES = ("adamw", "muon")
 SCHEDULE_NAMES = ("cosine", "linear", "constant", "wsd")
@@ -69,3 +71,23 @@ class OptimConfig:
         if self.eps == 0:  # AdamW's m / (sqrt(v) + eps) is 0 / 0 for a weight whose gradients were all 0
             raise ValueError("optim.eps must be > 0: with 0, AdamW turns weights whose gradient is 0 "
                              "(e.g. embeddings of unseen tokens) into NaN")
+
+    def ignored_options(self) -> list[str]:
+        """One line for each group of options set away from their defaults that the chosen
+        optimizer or schedule never reads, for a command to print instead of ignoring them silently."""
+        defaults = OptimConfig()
+        changed = {f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)}
+        notes = []
+        muon = [name for name in ("muon_lr", "muon_momentum") if name in changed]
+        if muon and self.name != "muon":
+            notes.append(f"{settings_text('optim', self, muon)} no effect (the muon_* options apply to "
+                         f"optim.name=\"muon\"; this run's optimizer is \"{self.name}\")")
+        wsd = [name for name in ("decay_fraction", "decay_shape") if name in changed]
+        if wsd and self.schedule != "wsd":
+            notes.append(f"{settings_text('optim', self, wsd)} no effect (optim.decay_fraction and "
+                         f"optim.decay_shape apply to optim.schedule=\"wsd\"; this run's schedule is "
+                         f"\"{self.schedule}\")")
+        if self.cosine_steps is not None and self.schedule == "constant":
+            notes.append(f"{settings_text('optim', self, ['cosine_steps'])} no effect (optim.schedule=\"constant\" "
+                         "never decays)")
+        return notes
