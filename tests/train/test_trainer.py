@@ -281,6 +281,35 @@ def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
     assert not [m for m in caplog.messages if m.startswith("note:")]
 
 
+@pytest.mark.parametrize("trainer, data, note", [
+    ({"activation_checkpointing_every": 2}, {},
+     "trainer.activation_checkpointing_every=2 has no effect (trainer.activation_checkpointing=false: no block is "
+     "checkpointed)"),
+    ({"sample_prompts": ["Once"], "sample_top_p": 0.5}, {},
+     'trainer.sample_prompts=["Once"], trainer.sample_top_p=0.5 have no effect (trainer.sample_tokens=0: the run '
+     'draws no samples)'),
+    ({"sample_tokens": 8, "sample_temperature": 0.0, "sample_top_p": 0.5}, {},
+     "trainer.sample_top_p=0.5 has no effect (trainer.sample_temperature=0 samples greedily)"),
+    ({"final_eval_full": True}, {"val_path": ""},
+     "trainer.eval_interval=4, trainer.eval_batches=2, trainer.final_eval_full=true have no effect (data.val_path "
+     "is empty: the run never evaluates)"),
+])
+def test_trainer_options_without_effect_are_noted(cfg, trainer, data, note):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer), data=replace(cfg.data, **data))
+    assert trainer_mod.ignored_options(cfg, torch.device("cpu")) == [note]
+
+
+@pytest.mark.parametrize("trainer", [
+    {"activation_checkpointing": True, "activation_checkpointing_every": 2},
+    {"sample_tokens": 8, "sample_prompts": ["Once"], "sample_top_p": 0.5},
+    {"sample_tokens": 8, "sample_temperature": 0.0},
+    {"final_eval_full": True, "eval_at_start": False},
+])
+def test_trainer_options_with_effect_are_not_noted(cfg, trainer):
+    cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer))
+    assert trainer_mod.ignored_options(cfg, torch.device("cpu")) == []
+
+
 def test_optimizer_options_without_effect_are_noted(cfg):
     assert trainer_mod.ignored_options(replace(cfg, optim=replace(cfg.optim, muon_momentum=0.9)), torch.device("cpu")) \
         == ['optim.muon_momentum=0.9 has no effect (the muon_* options apply to optim.name="muon"; this run\'s '

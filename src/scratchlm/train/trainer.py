@@ -163,6 +163,21 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     elif tc.compile and tc.compile_mode == "reduce-overhead" and device.type != "cuda":
         notes.append(f"trainer.compile_mode=\"reduce-overhead\" has no effect on {device.type} (its CUDA graphs "
                      "need a CUDA device); the model compiles as with \"default\"")
+    if "activation_checkpointing_every" in changed and not tc.activation_checkpointing:
+        notes.append(f"{settings_text('trainer', tc, ['activation_checkpointing_every'])} no effect "
+                     "(trainer.activation_checkpointing=false: no block is checkpointed)")
+    sampling = [name for name in ("sample_prompts", "sample_temperature", "sample_top_p") if name in changed]
+    if sampling and not tc.sample_tokens:
+        notes.append(f"{settings_text('trainer', tc, sampling)} no effect (trainer.sample_tokens=0: the run draws "
+                     "no samples)")
+    elif "sample_top_p" in changed and tc.sample_temperature == 0:
+        notes.append(f"{settings_text('trainer', tc, ['sample_top_p'])} no effect (trainer.sample_temperature=0 "
+                     "samples greedily)")
+    evaluation = [name for name in ("eval_interval", "eval_batches", "final_eval_full", "eval_at_start")
+                  if name in changed]
+    if evaluation and not cfg.data.val_path:
+        notes.append(f"{settings_text('trainer', tc, evaluation)} no effect (data.val_path is empty: the run "
+                     "never evaluates)")
     return notes
 
 
