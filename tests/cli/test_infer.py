@@ -183,3 +183,15 @@ def test_fused_blocks_say_why_they_cannot_take_effect(monkeypatch, capsys):
     monkeypatch.setattr(triton_support, "triton_available", lambda: False)
     _note_if_blocks_unfused(SimpleNamespace(no_kv_cache=False), cuda, 1)
     assert "needs triton" in capsys.readouterr().err
+
+
+def test_sampling_options_say_they_have_no_effect_under_greedy_decoding(ckpt, capsys):
+    base = [str(ckpt), "--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu"]
+    assert generate_command(base + ["--temperature", "0", "--top-k", "5", "--top-p", "0.5"]) == 0
+    assert ("note: --top-k, --top-p have no effect here (--temperature 0 decodes greedily: the most likely token "
+            "every step)") in capsys.readouterr().err
+    assert generate_command(base + ["--temperature", "0", "--seed", "3"]) == 0
+    assert "note: --seed has no effect here (--temperature 0" in capsys.readouterr().err
+    for sampling in (["--temperature", "0"], ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.5", "--seed", "3"]):
+        assert generate_command(base + sampling) == 0
+        assert "note:" not in capsys.readouterr().err

@@ -111,6 +111,19 @@ def _note_if_not_compiled(args, device) -> None:
         print(f"note: --compile has no effect here ({why}); the model runs eagerly", file=sys.stderr)
 
 
+def _note_if_greedy(args: argparse.Namespace) -> None:
+    """--top-k, --top-p or --seed given with --temperature 0: greedy decoding takes the most
+    likely token, which none of them changes; say so rather than ignore them silently."""
+    if args.temperature != 0:
+        return
+    parser = _parser()
+    given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "seed")
+             if getattr(args, name) != parser.get_default(name)]
+    if given:
+        print(f"note: {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect here (--temperature 0 "
+              "decodes greedily: the most likely token every step)", file=sys.stderr)
+
+
 def _check_pdl(device) -> None:
     """--pdl where the kernels cannot be launched with it: a one-line error (the engine would refuse)."""
     import torch
@@ -126,6 +139,7 @@ def generate_command(argv: list[str]) -> int:
     """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
     args = _parser().parse_args(argv)
     _check_args(args)
+    _note_if_greedy(args)
     from scratchlm.device import resolve_device
     from scratchlm.dtypes import torch_dtype
     from scratchlm.infer.generate import generate
