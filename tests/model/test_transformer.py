@@ -393,3 +393,27 @@ def test_attention_variants_from_config_keys_and_validation():
         ModelConfig(**TINY, num_kv_heads=3)
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig(**TINY, sliding_window=0)
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "moe"])
+def test_low_precision_residual_keeps_the_stream_in_the_autocast_dtype(ffn):
+    torch.manual_seed(0)
+    default = TransformerLM(**TINY, ffn=ffn)
+    low = TransformerLM(**TINY, ffn=ffn, low_precision_residual=True)
+    low.load_state_dict(default.state_dict())
+    x = torch.randint(0, 50, (2, 9))
+    # without autocast nothing changes
+    torch.testing.assert_close(low(x), default(x), rtol=0, atol=0)
+    seen = []
+    for layer in low.layers:
+        layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = low(x)
+        want = default(x)
+    assert seen == [torch.bfloat16] * len(low.layers)
+    assert low.hidden_states(x).dtype == torch.float32  # outside autocast: float32 again
+    if ffn != "moe":  # (a rounding can send a token to another expert)
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+    cross_entropy(got.float(), x).backward()
+    assert low.token_embeddings.weight.grad.dtype == torch.float32
+    assert low.token_embeddings.weight.grad.abs().sum() > 0

@@ -67,6 +67,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # "cudagraphs" with the blocks' matmuls in FP8 (trainer.fp8; scratchlm.model.fp8)
     "cudagraphs_fp8": ("scratchlm (cudagraphs variant, FP8 block matmuls)",
                        dict(optimizer="triton", fused_head=True, mode="reduce-overhead", fp8=True)),
+    # "cudagraphs" with the residual stream in bf16 (model.low_precision_residual; numerics differ)
+    "cudagraphs_bf16_residual": ("scratchlm (cudagraphs variant, bf16 residual stream)",
+                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
+                                      low_precision_residual=True)),
     # "cudagraphs" with q/k/v's backward as three matmuls each way (model.packed_qkv_backward=False)
     "cudagraphs_unpacked_qkv": ("scratchlm (cudagraphs variant, q/k/v backward per projection)",
                                 dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
@@ -122,13 +126,14 @@ def fused_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def scratchlm_model(shape: dict[str, int], backend: str = "flash_triton", fused_projections: bool = True,
-                    packed_qkv_backward: bool = True):
+                    packed_qkv_backward: bool = True, low_precision_residual: bool = False):
     """scratchlm's model of a shape on CUDA."""
     from scratchlm.model.config import ModelConfig
     from scratchlm.model.transformer import build_model
 
     cfg = ModelConfig(**model_kwargs(shape), attention_backend=backend,
-                      fused_projections=fused_projections, packed_qkv_backward=packed_qkv_backward)
+                      fused_projections=fused_projections, packed_qkv_backward=packed_qkv_backward,
+                      low_precision_residual=low_precision_residual)
     return build_model(cfg, device="cuda")
 
 
@@ -157,7 +162,8 @@ def _with_atomic_dq(step: Callable[[], None]) -> Callable[[], None]:
 
 def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_head: bool = False,
                    mode: str = "default", compile_loss: bool = False, fused_projections: bool = True,
-                   packed_qkv_backward: bool = True, fp8: bool = False, atomic_dq: bool = False) -> Maker:
+                   packed_qkv_backward: bool = True, fp8: bool = False, atomic_dq: bool = False,
+                   low_precision_residual: bool = False) -> Maker:
     """scratchlm's compiled step in one `VARIANTS` configuration. ``optimizer``: "scratchlm"
     (multi-tensor AdamW), "torch_fused" or "triton" (scratchlm's AdamW with fused=True).
     ``atomic_dq``: every call of the step (so its tracing too) runs with the attention's
@@ -167,7 +173,8 @@ def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_he
     def make(x, y):
         torch.manual_seed(0)
         m = holder["m"] = scratchlm_model(shape, fused_projections=fused_projections,
-                                          packed_qkv_backward=packed_qkv_backward)
+                                          packed_qkv_backward=packed_qkv_backward,
+                                          low_precision_residual=low_precision_residual)
         if fp8:
             from scratchlm.model.fp8 import convert_to_float8
 

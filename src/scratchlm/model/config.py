@@ -64,6 +64,10 @@ class ModelConfig:
     # experts' and the shared experts' w2) initialised to zero. lm_head keeps its init (tied, it
     # is the embedding table).
     zero_init_output: bool = False
+    # Under autocast, hold the residual stream in the autocast dtype (bf16) instead of float32: the
+    # blocks' adds, the norms' inputs and the residual's gradient move half the bytes (the
+    # modded-nanogpt speedrun's bf16 stream). Numerics change (each add rounds to bf16).
+    low_precision_residual: bool = False
     # ffn="moe": expert matmuls; "auto" (grouped GEMM on CUDA bf16), "grouped_mm", "triton", "portable"
     moe_gemm: str = "auto"
     # ffn="moe": renormalise the top-k router probabilities to sum to 1 (true) or weight each

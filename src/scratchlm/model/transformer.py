@@ -28,6 +28,10 @@ state_dict (default keys are listed in DESIGN.md):
   every block starts as the identity and the residual stream as the embeddings (the
   modded-nanogpt speedrun's init). `lm_head` keeps its init: tied, it is the embedding table,
   and a zero head too would leave only itself a gradient at the first step. No keys change.
+- low_precision_residual=True: under autocast the residual stream is held in the autocast dtype
+  (bf16) from the embedding on, instead of float32: the blocks' adds, the RMSNorms' inputs and
+  the residual's gradient then move half the bytes (the modded-nanogpt speedrun's bf16
+  stream). Without autocast nothing changes. No keys change.
 - attention_backend: "math" or another name registered in `attention_backends.ATTENTION_BACKENDS`
   ("flash_torch", "flash_triton", ...; see attention_backends.py); no keys change.
 - qkv_init: "fused" (default) or "separate", the init scale of q/k/v (see attention.py); no keys change.
@@ -215,11 +219,13 @@ class TransformerLM(nn.Module):
         moe_options: dict[str, Any] | None = None,
         logit_softcap: float = 0.0,
         zero_init_output: bool = False,
+        low_precision_residual: bool = False,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.low_precision_residual = low_precision_residual
         self.context_length = context_length
         self.d_model = d_model
         self.num_layers = num_layers
@@ -305,6 +311,8 @@ class TransformerLM(nn.Module):
             # Left padding: a row's first real token is position 0.
             token_positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         x = self.token_embeddings(token_ids)  # (B, T, d_model)
+        if self.low_precision_residual:
+            x = x.to(compute_dtype(x))  # the autocast dtype under autocast, else unchanged
         runner = self.block_runner
         if runner is not None and kv_cache is None and attention_mask is None and token_positions is None:
             for layer in self.layers:
@@ -414,6 +422,7 @@ def build_model(cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
         moe_options=_moe_module().moe_options(cfg) if cfg.ffn == "moe" else None,
         logit_softcap=cfg.logit_softcap,
         zero_init_output=cfg.zero_init_output,
+        low_precision_residual=cfg.low_precision_residual,
         device=device,
         dtype=dtype,
     )
