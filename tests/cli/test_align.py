@@ -599,3 +599,21 @@ def test_eval_math_refuses_an_out_whose_summary_is_a_directory(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert f"its summary {tmp_path / 'r.summary.json'} is a directory" in err and "\n" not in err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("command, option, note", [
+    ("sft", "--sampling.top_p=0.9", "note: sampling.top_p=0.9 has no effect (scratchlm sft draws no rollouts"),
+    ("expert-iteration", "--sft.max_steps=5", "note: sft.max_steps=5 has no effect (each expert-iteration step"),
+    ("grpo", "--grpo.cliprange=0.1", "note: grpo.cliprange=0.1 has no effect (it clips grpo_clip's ratio"),
+    ("dpo", "--data.eval_fraction=0.2", "note: data.eval_fraction=0.2 has no effect (data.eval_path is set"),
+])
+def test_options_a_command_never_reads_are_noted_before_it_starts(tmp_path, caplog, command, option, note):
+    out = f"--run.out_dir={tmp_path / 'run'}"
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        main([command, option, out])  # refused next: no policy.path
+    notes = [m for m in caplog.messages if m.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith(note)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="scratchlm.align"):
+        main([command, out])
+    assert not [m for m in caplog.messages if m.startswith("note:")]

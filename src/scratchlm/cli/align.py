@@ -76,6 +76,8 @@ def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str
                         help="continue the interrupted run in run.out_dir as if it had not stopped (same config)")
     args = parser.parse_args(positional)
     cfg = load_config(config_cls, args.config, overrides)
+    for note in cfg.ignored_options():  # options this command never reads: said, not ignored silently
+        log.warning("note: %s", note)
     return cfg, _long_warmup(args.config, default_preset, overrides), args.resume
 
 
