@@ -78,3 +78,17 @@ def test_memory_snapshot_path_problems_are_refused_before_the_timing(monkeypatch
     monkeypatch.setattr("scratchlm.bench.run.timing_device", lambda name: torch.device("cuda"))
     with pytest.raises(UserError, match="is a directory"):
         run_bench(BenchOptions(**{**TINY, "memory_snapshot": str(tmp_path)}))
+
+
+def test_options_that_change_nothing_timed_are_noted(caplog):
+    with caplog.at_level("WARNING", logger="scratchlm.bench"):
+        run_bench(BenchOptions(**TINY, mode="train_step", optimizer="scratchlm_fused"), ["--model.moe_top_k=1"])
+    assert [m for m in caplog.messages if m.startswith("note:")] == [
+        'note: model.moe_top_k=1 has no effect (the moe_* options apply to model.ffn="moe"; this model\'s ffn is '
+        '"swiglu")',
+        "note: --optimizer scratchlm_fused has no effect on cpu (its Triton kernel needs a CUDA device); the "
+        "optimizer steps as with --optimizer scratchlm"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="scratchlm.bench"):
+        run_bench(BenchOptions(**TINY, mode="train_step"), ["--model.ffn=moe", "--model.moe_top_k=1"])
+    assert not [m for m in caplog.messages if m.startswith("note:")]

@@ -123,6 +123,7 @@ def run_bench(options: BenchOptions, overrides: Sequence[str] = ()) -> dict[str,
         raise UserError(f"--batch-size {options.batch_size} x --context-length {options.context_length} x vocab_size "
                         f"{cfg.vocab_size} = {logits:.3g} logits, more than a tensor holds (2**63 - 1)")
     _check_attention_backend(cfg.attention_backend, device)
+    _note_ignored_options(cfg, options, device)
     if options.fused_lm_head and cfg.logit_softcap:  # (as the trainer refuses it)
         raise UserError(f"--fused-lm-head computes the loss from uncapped logits: it would time a model without "
                         f"model.logit_softcap={cfg.logit_softcap:g}; drop one of the two")
@@ -163,6 +164,15 @@ def _build_and_time(cfg: Any, options: BenchOptions, device: torch.device, preci
     if options.profile:
         results["profile"] = profile_table(fns[modes[-1]], steps=2)
     return results
+
+
+def _note_ignored_options(cfg: Any, options: BenchOptions, device: torch.device) -> None:
+    """Options that would not change what is timed: say so rather than time without them silently."""
+    for note in cfg.ignored_options():
+        log.warning("note: %s", note)
+    if options.optimizer == "scratchlm_fused" and device.type != "cuda":
+        log.warning("note: --optimizer scratchlm_fused has no effect on %s (its Triton kernel needs a CUDA device); "
+                    "the optimizer steps as with --optimizer scratchlm", device.type)
 
 
 CPU_PARAMS_LIMIT = 20_000_000  # above this a CPU step takes seconds: the shape is meant for a GPU
