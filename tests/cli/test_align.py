@@ -215,9 +215,17 @@ def test_out_dir_may_not_be_a_training_run_or_a_file(tiny_policy, tmp_path, caps
                  "--sft.max_steps=1", *COMMON]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
     out = tmp_path / "sft"
-    for _ in range(2):  # an earlier result of the same command is rewritten, as before
-        assert main(["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
-                     "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]) == 0
+    args = ["sft", "align-sft", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
+            "--sft.max_steps=1", "--sft.micro_batch_size=2", "--sft.grad_accum_steps=1", *COMMON]
+    assert main(args) == 0
+    # An earlier result of the same command is refused (it was rewritten silently), unless --overwrite.
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"error: run.out_dir {out} already holds a run (policy, metrics.jsonl); pass --resume to "
+                        "continue it or --overwrite to replace it, or choose another run.out_dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert main([*args, "--overwrite"]) == 0
 
 
 @pytest.mark.parametrize("command, preset, options", [
@@ -268,8 +276,8 @@ def test_a_failed_rerun_leaves_the_earlier_result_alone(tiny_policy, tmp_path, c
             "--sft.grad_accum_steps=1", *COMMON]
     assert main([*args, f"--policy.path={tmp_path / 'base'}"]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    assert main([*args, f"--policy.path={tmp_path / 'typo'}"]) == 2  # config.toml was rewritten first
-    assert main([*args, f"--policy.path={tmp_path / 'base'}", "--data.eval_dataset=typo.jsonl"]) == 2
+    assert main([*args, f"--policy.path={tmp_path / 'typo'}", "--overwrite"]) == 2  # config.toml was rewritten first
+    assert main([*args, f"--policy.path={tmp_path / 'base'}", "--data.eval_dataset=typo.jsonl", "--overwrite"]) == 2
     capsys.readouterr()
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
@@ -289,7 +297,7 @@ def test_the_starting_policy_may_not_be_the_one_the_run_saves(tiny_policy, tmp_p
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     step = out / "policy" / "checkpoints" / "step_000003"
     for start in (out / "policy", step):
-        code = main([command, preset, f"--policy.path={start}", f"--run.out_dir={out}", *options])
+        code = main([command, preset, f"--policy.path={start}", f"--run.out_dir={out}", *options, "--overwrite"])
         err = capsys.readouterr().err.strip()
         assert code == 2 and "where this run saves its policy over it" in err and "\n" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -390,7 +398,7 @@ def test_prompts_too_long_for_the_context_are_refused_before_anything_is_written
     before = _earlier_run(out)
     preset, *options = GRPO_EI_OPTIONS[command]
     code = main([command, preset, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}", *COMMON,
-                 "--data.eval_limit=4", f"{flag}={data}", *options])
+                 "--data.eval_limit=4", f"{flag}={data}", *options, "--overwrite"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert f"1 of 4 {split} prompts ({data}/" in err
@@ -410,7 +418,7 @@ def test_expert_iteration_refuses_more_questions_a_step_than_the_training_set_ha
     out = tmp_path / "run"
     before = _earlier_run(out)
     code = main(["expert-iteration", "align-ei", f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
-                 *COMMON, "--data.limit=3", "--ei.questions_per_step=4"])
+                 *COMMON, "--data.limit=3", "--ei.questions_per_step=4", "--overwrite"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert "expert iteration draws 4 questions a step (ei.questions_per_step) but the training set has 3" in err
@@ -492,7 +500,7 @@ def test_a_chosen_warmup_as_long_as_the_run_is_refused_before_anything_is_writte
     out = tmp_path / "run"
     before = _earlier_run(out)
     code = main([command, *options, f"--policy.path={tmp_path / 'base'}", f"--run.out_dir={out}",
-                 "--policy.device=cpu", "--run.progress=false"])
+                 "--policy.device=cpu", "--run.progress=false", "--overwrite"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     warmup = next(o for o in options if o.startswith("--optim.warmup_steps=")).split("=")[1]

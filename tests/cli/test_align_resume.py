@@ -210,8 +210,8 @@ def test_resume_without_a_state_is_refused(base, tmp_path, capsys):
                         "--resume"], capsys)
     assert message == (f"scratchlm sft: error: --resume: {tmp_path / 'new'} holds no training state to resume "
                        f"({tmp_path / 'new' / 'resume' / 'state.pt'} is missing): the run finished, was never "
-                       "interrupted, or a second signal stopped it before saving; run without --resume to start it "
-                       "afresh")
+                       "interrupted, or a second signal stopped it before saving; pass --overwrite instead of "
+                       "--resume to start it afresh")
     assert not (tmp_path / "new").exists()
 
 
@@ -261,9 +261,22 @@ def test_resume_of_a_dpo_run_whose_starting_policy_changed_is_refused(base, tmp_
     assert f"policy.path {base} is no longer the model the run started from (its DPO reference)" in message
 
 
-def test_a_run_again_without_resume_starts_afresh(stopped_sft, tmp_path, caplog):
+def test_a_run_again_without_resume_or_overwrite_is_refused(stopped_sft, tmp_path, capsys):
+    # It started afresh: the stopped run's metrics were emptied at once and its state discarded.
+    out = tmp_path / "run"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    message = _refused(stopped_sft, capsys)
+    assert message == (f"scratchlm sft: error: run.out_dir {out} already holds a run (policy, resume, metrics.jsonl); "
+                       "pass --resume to continue it or --overwrite to replace it, or choose another run.out_dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    with pytest.raises(SystemExit):
+        main([*stopped_sft, "--resume", "--overwrite"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_run_again_with_overwrite_starts_afresh(stopped_sft, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="scratchlm.align"):
-        assert main(stopped_sft) == 0
+        assert main([*stopped_sft, "--overwrite"]) == 0
     (warning,) = [r.getMessage() for r in caplog.records if "training state" in r.getMessage()]
     assert f"{tmp_path / 'run' / 'resume'} held the training state of an interrupted run" in warning
     rows = _metrics(tmp_path / "run" / "metrics.jsonl")

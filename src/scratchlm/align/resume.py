@@ -214,7 +214,7 @@ class ResumePoint:
                 return self._read(self.previous)
             raise UserError(f"--resume: {self.out_dir} holds no training state to resume ({self.dir / STATE} is "
                             "missing): the run finished, was never interrupted, or a second signal stopped it "
-                            "before saving; run without --resume to start it afresh")
+                            "before saving; pass --overwrite instead of --resume to start it afresh")
         state = self._read(self.dir)
         if (self.previous / STATE).is_file():
             state.before = self._read(self.previous)
@@ -229,7 +229,8 @@ class ResumePoint:
             verify_step_dir(folder, (STATE, LOOP), only=(name,))
             return read_torch(folder / name)
         except DamagedCheckpoint as exc:
-            raise UserError(f"--resume: {exc}; the run cannot be resumed, start it afresh without --resume") from None
+            raise UserError(f"--resume: {exc}; the run cannot be resumed; start it afresh with --overwrite instead "
+                            "of --resume") from None
 
     def _read(self, folder: Path) -> SavedState:
         state = self._load(folder, STATE)
@@ -243,11 +244,12 @@ class ResumePoint:
         if changed:
             shown = "; ".join(f"{k}={old!r} then, {new!r} now" for k, old, new in changed)
             raise UserError(f"--resume: the run in {self.out_dir} trained with other settings ({shown}); resume "
-                            "it with the settings it started with, or start a new run without --resume")
+                            "it with the settings it started with, or start it afresh with --overwrite instead of "
+                            "--resume")
         if state["data"] != self.data:
             raise UserError(f"--resume: the training data are not those the run in {self.out_dir} trained on "
-                            "(a dataset file changed since?); resume with the same data, or start a new run "
-                            "without --resume")
+                            "(a dataset file changed since?); resume with the same data, or start it afresh with "
+                            "--overwrite instead of --resume")
         return SavedState(folder, int(state["step"]), self._load(folder, LOOP), state["policy"])
 
     def settle(self, state: SavedState) -> None:
@@ -265,8 +267,8 @@ class ResumePoint:
         if not (self.dir.exists() or self.previous.exists()):
             return
         if fresh_run:
-            log.warning("warning: %s held the training state of an interrupted run; this run starts afresh (without "
-                        "--resume) and discards it", self.dir)
+            log.warning("warning: %s held the training state of an interrupted run; this run starts afresh "
+                        "(--overwrite) and discards it", self.dir)
         for folder in (self.dir, self.previous):
             if folder.exists():
                 shutil.rmtree(folder)

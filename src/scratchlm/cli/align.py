@@ -7,8 +7,9 @@ the final policy (``policy/``, a run directory or a Hugging Face directory) into
 with that policy and the training state (``resume/``) saved (`scratchlm.align.interrupt`); they
 exit with 130 or 143, and the same command with ``--resume`` continues the run as if it had not
 stopped (`scratchlm.align.resume`). With ``run.resume_every`` they also save both every N steps,
-so that ``--resume`` continues a run killed outright from the last of those. Without
-``--resume`` a command run again into the same ``run.out_dir`` starts afresh.
+so that ``--resume`` continues a run killed outright from the last of those. A ``run.out_dir``
+that already holds a run (its ``policy/``, training state or metrics) is refused, before anything
+is read or written, unless ``--resume`` continues it or ``--overwrite`` starts afresh over it.
 
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k
     scratchlm sft align-sft --policy.path=runs/base --data.dataset=gsm8k --resume
@@ -72,13 +73,32 @@ def _parse(prog: str, argv: Sequence[str], config_cls: type, default_preset: str
                                             "training state; --resume continues from there.")
     parser.add_argument("config", nargs="?", default=default_preset,
                         help=f"TOML preset (path or name in configs/; default {default_preset})")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the interrupted run in run.out_dir as if it had not stopped (same config)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the interrupted run in run.out_dir as if it had not stopped (same config)")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="start afresh in a run.out_dir that holds a run already, replacing its metrics, policy "
+                           "and training state (by default such a run.out_dir is refused)")
     args = parser.parse_args(positional)
     cfg = load_config(config_cls, args.config, overrides)
     for note in cfg.ignored_options():  # options this command never reads: said, not ignored silently
         log.warning("note: %s", note)
+    if not (args.resume or args.overwrite):
+        _check_no_earlier_run(Path(cfg.run.out_dir))
     return cfg, _long_warmup(args.config, default_preset, overrides), args.resume
+
+
+def _check_no_earlier_run(out_dir: Path) -> None:
+    """Refuse a run.out_dir that holds what an earlier run wrote (its policy, training state or
+    metrics), which a fresh run would replace: --resume or --overwrite says what to do with it."""
+    _check_out_dir(out_dir)  # (a file, a training run or a Hugging Face directory: refused whatever the flags)
+    found = [name for name in ("policy", "resume", "resume.previous") if (out_dir / name).exists()]
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append("metrics.jsonl")
+    if found:
+        raise UserError(f"run.out_dir {out_dir} already holds a run ({', '.join(found)}); pass --resume to continue "
+                        "it or --overwrite to replace it, or choose another run.out_dir")
 
 
 def _long_warmup(preset: str, default_preset: str, overrides: Sequence[str]) -> str:
@@ -404,7 +424,7 @@ def _dpo_reference(cfg: Any, state: Any) -> Any:
     if weights_digest(reference) != state.loop["reference"]:
         raise UserError(f"--resume: policy.path {cfg.policy.path} is no longer the model the run started from (its "
                         "DPO reference): its weights changed since; resume with the starting model as it was, or "
-                        "start a new run without --resume")
+                        "start the run afresh with --overwrite instead of --resume")
     return reference
 
 
