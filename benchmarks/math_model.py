@@ -381,7 +381,7 @@ class Pipeline:
     def stage_encode(self, redone: bool) -> dict[str, Any]:
         for split in ("train", "valid"):
             self.scratchlm(["encode", str(self.data / f"{split}.txt"), "--tokenizer", str(self.tokenizer),
-                           "--out", str(self.data / f"{split}.bin"), "--no-progress"])
+                           "--out", str(self.data / f"{split}.bin"), "--overwrite", "--no-progress"])
         return {split: json.loads((self.data / f"{split}.json").read_text(encoding="utf-8"))
                 for split in ("train", "valid")}
 

@@ -54,6 +54,24 @@ def test_encode_command_errors_are_one_line(tokenizer_dir, tmp_path, capsys):
     assert "not valid UTF-8" in capsys.readouterr().err
 
 
+def test_encode_command_refuses_to_replace_a_token_file_without_overwrite(tokenizer_dir, tmp_path, capsys):
+    # A second encode into the same --out (a typo'd input, say) replaced the token file silently.
+    (tmp_path / "train.txt").write_text(EOT.join(STORY * 3 for _ in range(50)), encoding="utf-8")
+    (tmp_path / "valid.txt").write_text(STORY, encoding="utf-8")
+    out = tmp_path / "train.bin"
+    args = ["--tokenizer", str(tokenizer_dir), "--out", str(out), "--no-progress"]
+    assert main(["encode", str(tmp_path / "train.txt"), *args]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["encode", str(tmp_path / "valid.txt"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"scratchlm encode: error: {out} already holds a token file (with its sidecar train.json); "
+                   "pass --overwrite to replace it, or choose another --out")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert main(["encode", str(tmp_path / "valid.txt"), *args, "--overwrite"]) == 0
+    np.testing.assert_array_equal(open_tokens(out), Tokenizer.load(tokenizer_dir).encode(STORY))
+
+
 def test_download_command_with_mirror_flag_and_env(http_server, tmp_path, capsys, monkeypatch):
     data = b"tiny valid split\n" * 1000
     http_server.files["TinyStoriesV2-GPT4-valid.txt"] = data

@@ -32,13 +32,20 @@ def encode_command(argv: list[str]) -> int:
                         help="target size of one unit of work (default: automatic, at most 16)")
     parser.add_argument("--errors", choices=("strict", "replace"), default="strict",
                         help="invalid UTF-8: stop with an error (default) or encode U+FFFD")
+    parser.add_argument("--overwrite", action="store_true", help="replace a token file already at --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
 
     if args.chunk_mb is not None and not (math.isfinite(args.chunk_mb) and args.chunk_mb > 0):
         raise UserError(f"--chunk-mb must be a positive number of MB, got {args.chunk_mb}")
 
+    from scratchlm.data.token_file import is_token_file, sidecar_path
     from scratchlm.tokenizer.encode_corpus import encode_corpus
+
+    # (An interrupted encode, whose sidecar is gone until it finishes, resumes without --overwrite.)
+    if not args.overwrite and is_token_file(args.out):
+        raise UserError(f"{args.out} already holds a token file (with its sidecar {sidecar_path(args.out).name}); "
+                        "pass --overwrite to replace it, or choose another --out")
 
     chunk = None if args.chunk_mb is None else max(1, int(args.chunk_mb * (1 << 20)))
     meta = encode_corpus(args.input, args.tokenizer, args.out, num_workers=args.workers,
