@@ -195,3 +195,27 @@ def test_a_checksum_write_that_fails_keeps_the_old_checksum_file(server, tmp_pat
         fetch(server, tmp_path)
     assert stale.read_text() == f"{'0' * 64}  TinyStoriesV2-GPT4-valid.txt\n"  # old, not cut
     assert sorted(os.listdir(tmp_path)) == ["TinyStoriesV2-GPT4-valid.txt", "TinyStoriesV2-GPT4-valid.txt.sha256"]
+
+
+@pytest.mark.parametrize("name", ["tinystories-valid", "owt-valid"])
+def test_a_file_is_on_disk_before_it_takes_its_final_name(server, tmp_path, monkeypatch, name):
+    # Renamed unsynced, a power cut could leave a short file under the final name beside its
+    # checksum file, which a later call trusts without hashing the file again.
+    synced, renamed = set(), []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        renamed.append((os.path.basename(dst), os.stat(src).st_ino in synced))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    fetch(server, tmp_path, name)
+    data = [(dst, was_synced) for dst, was_synced in renamed if not dst.endswith(".sha256")]
+    expected = {"tinystories-valid": ["TinyStoriesV2-GPT4-valid.txt"],
+                "owt-valid": ["owt_valid.txt.gz", "owt_valid.txt"]}[name]
+    assert data == [(dst, True) for dst in expected]

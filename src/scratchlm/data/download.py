@@ -10,7 +10,8 @@
   (nothing is deleted silently) and raises. When none is known, the value is returned, printed
   by the command and written to ``FILE.sha256`` (``sha256sum`` format, naming the served file).
 * **Atomic.** Only a complete, verified (and, for ``.gz`` entries, fully gunzipped) file is
-  renamed to its final name, so a file under its final name is always whole.
+  synced to disk and renamed to its final name, so a file under its final name is always whole,
+  after a power cut too.
 * **Errors** are one line: HTTP status and URL, connection failures, timeouts.
 """
 
@@ -196,6 +197,8 @@ def _fetch_once(url: str, partial: Path, *, timeout: float, progress: bool) -> s
                     digest.update(block)
                     if bar is not None:
                         bar.update(len(block))
+                f.flush()
+                os.fsync(f.fileno())  # on disk before it is renamed to its final name (a power cut)
         finally:
             if bar is not None:
                 bar.close()
@@ -246,6 +249,8 @@ def _gunzip(src: Path, dest: Path, *, progress: bool) -> None:
                 if bar is not None:
                     bar.update(raw.tell() - done)
                     done = raw.tell()
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it is renamed to its final name (a power cut)
     except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
         partial.unlink(missing_ok=True)
         corrupt = src.with_name(src.name + ".corrupt")
