@@ -111,3 +111,21 @@ def test_blocks_scope_forward_and_backward_equal_the_plain_model_with_one_graph(
     # cached and masked forwards (decoding, left padding) keep the plain blocks
     model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
     assert counter.frame_count == 1
+
+
+def test_cudagraphs_backend_compiles_without_inductor_on_cuda_and_runs_eagerly_elsewhere(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append((fn, kwargs)) or ("compiled", fn))
+    cfg = replace(TrainerConfig(), compile=True, compile_backend="cudagraphs")
+    model = dist_workers.build("lm")
+    run = parallelize(model, cfg, _Recorder(ParallelConfig(), device=torch.device("cuda")))
+    assert calls == [(model, {"backend": "cudagraphs"}), (cross_entropy, {"backend": "cudagraphs"})]
+    assert run.model == ("wrapped", ("compiled", model)) and run.cudagraphs  # steps are marked
+    calls.clear()
+    run = parallelize(model, cfg, _Recorder(ParallelConfig(), device=torch.device("cpu")))
+    assert calls == [] and run.model == ("wrapped", model) and not run.cudagraphs
+
+
+def test_compile_backend_is_checked():
+    with pytest.raises(ValueError, match="compile_backend"):
+        TrainerConfig(compile_backend="eager")

@@ -325,6 +325,13 @@ def test_optimizer_options_without_effect_are_noted(cfg):
     ({"compile": True, "compile_mode": "reduce-overhead"}, "cpu",
      'trainer.compile_mode="reduce-overhead" has no effect on cpu (its CUDA graphs need a CUDA device); the model '
      'compiles as with "default"'),
+    ({"compile_backend": "cudagraphs"}, "cuda",
+     'trainer.compile_backend="cudagraphs" has no effect (trainer.compile=false: the model runs eagerly)'),
+    ({"compile": True, "compile_backend": "cudagraphs"}, "cpu",
+     'trainer.compile_backend="cudagraphs" has no effect on cpu (it replays CUDA graphs); the model runs eagerly'),
+    ({"compile": True, "compile_backend": "cudagraphs", "compile_mode": "max-autotune"}, "cuda",
+     'trainer.compile_mode="max-autotune" has no effect (compile_mode is Inductor\'s; trainer.compile_backend='
+     '"cudagraphs" generates no code)'),
 ])
 def test_compile_options_without_effect_are_noted(cfg, trainer, device, note):
     cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer))
@@ -335,6 +342,7 @@ def test_compile_options_without_effect_are_noted(cfg, trainer, device, note):
     ({}, "cpu"), ({"compile": True, "compile_mode": "max-autotune", "compile_eval": True}, "cpu"),
     ({"compile": True, "compile_mode": "reduce-overhead"}, "cuda"),
     ({"compile": True, "compile_scope": "blocks"}, "cpu"),
+    ({"compile": True, "compile_backend": "cudagraphs"}, "cuda"),
 ])
 def test_compile_options_with_effect_are_not_noted(cfg, trainer, device):
     cfg = replace(cfg, trainer=replace(cfg.trainer, **trainer))
@@ -619,3 +627,18 @@ def test_blocks_compile_scope_trains_as_the_eager_model(cfg, tmp_path, monkeypat
     expected = _reference_grads(cfg)
     for name in expected:
         torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_options", [{"compile_backend": "cudagraphs"},
+                                             {"compile_backend": "cudagraphs", "fused_lm_head": True}])
+def test_cudagraphs_backend_trains_like_eager_on_cuda(tmp_path, backend_options):
+    base = make_cfg(tmp_path, device="cuda", deterministic=False, max_steps=6, checkpoint_interval=0)
+    base = replace(base, model=replace(base.model, attention_backend="flash_triton"))
+    run_training(_with_out(base, tmp_path / "eager"))
+    graphed = replace(base, trainer=replace(base.trainer, compile=True, **backend_options))
+    run_training(_with_out(graphed, tmp_path / "graphed"))
+    eager, got = _losses(tmp_path / "eager"), _losses(tmp_path / "graphed")
+    assert [s for s, _ in got] == [s for s, _ in eager]
+    for (_, a), (_, b) in zip(got, eager):
+        assert a == pytest.approx(b, rel=2e-2, abs=2e-2)

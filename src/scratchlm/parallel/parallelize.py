@@ -5,7 +5,8 @@ it runs is applied here from outside, always in this order:
 
 1. activation checkpointing of every `trainer.activation_checkpointing_every`-th block
    (in place: the blocks' forwards recompute in backward);
-2. `torch.compile(model, mode=trainer.compile_mode)` under `trainer.compile`, or with
+2. `torch.compile(model, mode=trainer.compile_mode)` under `trainer.compile` (with
+   `trainer.compile_backend="cudagraphs"`: torch's "cudagraphs" backend instead of Inductor), or with
    `trainer.compile_scope="blocks"` one compiled block call shared by every block (the model's
    `block_runner`), the embedding, final norm and head left eager;
 3. the strategy's wrapper (`strategy.wrap_model`: DDP hooks, FSDP sharding, ...) around the
@@ -44,6 +45,14 @@ class Parallelized:
     cudagraphs: bool  # compiled with "reduce-overhead" on CUDA: mark each step's start
 
 
+def compiled(fn, cfg: TrainerConfig):
+    """``torch.compile`` of `fn` as `cfg` asks: Inductor with ``compile_mode``, or the
+    "cudagraphs" backend (no code generation: the eager kernels replayed as CUDA graphs)."""
+    if cfg.compile_backend == "cudagraphs":
+        return torch.compile(fn, backend="cudagraphs")
+    return torch.compile(fn, mode=cfg.compile_mode)
+
+
 def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Parallelized:
     """Wrap the plain `model` (already on `strategy.device`) for training under `cfg` and `strategy`."""
     if cfg.fused_lm_head and not strategy.supports_fused_lm_head:
@@ -55,17 +64,23 @@ def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Par
 
         apply_activation_checkpointing(model, every=cfg.activation_checkpointing_every)
     blockwise = cfg.compile and cfg.compile_scope == "blocks"
+    on_cuda = strategy.device.type == "cuda"
+    if cfg.compile_backend == "cudagraphs" and not on_cuda:
+        compile_ = lambda fn: fn  # noqa: E731  (CUDA graphs need a CUDA device: eager elsewhere)
+    else:
+        compile_ = lambda fn: compiled(fn, cfg)  # noqa: E731
     if blockwise:
         if not hasattr(plain, "block_runner"):
             raise UserError(f"trainer.compile_scope='blocks' needs a scratchlm Transformer, not {type(plain).__name__}")
-        plain.block_runner = torch.compile(run_block, mode=cfg.compile_mode)
+        plain.block_runner = compile_(run_block)
     elif cfg.compile:
-        model = torch.compile(model, mode=cfg.compile_mode)
+        model = compile_(model)
     model = strategy.wrap_model(model)
-    loss_fn = torch.compile(cross_entropy, mode=cfg.compile_mode) if cfg.compile else cross_entropy
+    loss_fn = compile_(cross_entropy) if cfg.compile else cross_entropy
     head_inputs = None
     if cfg.fused_lm_head:
         trunk = plain.head_inputs
-        head_inputs = torch.compile(trunk, mode=cfg.compile_mode) if cfg.compile and not blockwise else trunk
-    cudagraphs = cfg.compile and cfg.compile_mode == "reduce-overhead" and strategy.device.type == "cuda"
+        head_inputs = compile_(trunk) if cfg.compile and not blockwise else trunk
+    graphed = cfg.compile_backend == "cudagraphs" or cfg.compile_mode == "reduce-overhead"
+    cudagraphs = cfg.compile and graphed and on_cuda
     return Parallelized(model=model, loss_fn=loss_fn, head_inputs=head_inputs, cudagraphs=cudagraphs)

@@ -13,6 +13,7 @@ from scratchlm.parallel.config import ParallelConfig
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "cudagraphs")
 
 
 @dataclass
@@ -48,6 +49,10 @@ class TrainerConfig:
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" ("float32", "bfloat16" too)
     compile: bool = False  # torch.compile the model (and the loss)
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    # torch.compile backend: "inductor" (generated, fused kernels; compile_mode applies) or "cudagraphs"
+    # (the eager kernels, traced once and replayed as CUDA graphs: no code generation, so it starts in
+    # seconds, at the eager kernels' speed without their launch overhead; CUDA only).
+    compile_backend: str = "inductor"
     # What torch.compile takes: "model" (the whole forward: one graph, fused across blocks) or
     # "blocks" (one compiled block call that every block shares: the compilation costs about one
     # block's, not the whole depth's; scratchlm Transformers only).
@@ -118,6 +123,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_scope must be 'model' or 'blocks', got {self.compile_scope!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"trainer.compile_backend must be one of {', '.join(COMPILE_BACKENDS)}, "
+                             f"got {self.compile_backend!r}")
         if self.dtype != "auto":
             try:
                 self.dtype = canonical_dtype(self.dtype, allowed=("fp32", "bf16"))

@@ -155,11 +155,18 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     tc, defaults = cfg.trainer, TrainerConfig()
     changed = {f.name for f in dataclasses.fields(tc) if getattr(tc, f.name) != getattr(defaults, f.name)}
     notes = cfg.model.ignored_options() + cfg.optim.ignored_options()
-    compile_options = [name for name in ("compile_mode", "compile_scope", "compile_cache_dir", "compile_eval")
-                       if name in changed]
+    compile_options = [name for name in ("compile_mode", "compile_backend", "compile_scope", "compile_cache_dir",
+                                         "compile_eval") if name in changed]
     if compile_options and not tc.compile:
         notes.append(f"{settings_text('trainer', tc, compile_options)} no effect (trainer.compile=false: "
                      "the model runs eagerly)")
+    elif tc.compile and tc.compile_backend == "cudagraphs":
+        if device.type != "cuda":
+            notes.append(f"trainer.compile_backend=\"cudagraphs\" has no effect on {device.type} (it replays CUDA "
+                         "graphs); the model runs eagerly")
+        if "compile_mode" in changed:
+            notes.append(f"{settings_text('trainer', tc, ['compile_mode'])} no effect (compile_mode is Inductor's; "
+                         "trainer.compile_backend=\"cudagraphs\" generates no code)")
     elif tc.compile and tc.compile_mode == "reduce-overhead" and device.type != "cuda":
         notes.append(f"trainer.compile_mode=\"reduce-overhead\" has no effect on {device.type} (its CUDA graphs "
                      "need a CUDA device); the model compiles as with \"default\"")
@@ -323,6 +330,8 @@ class Trainer:
                                              "fused_lm_head",
                                              "activation_checkpointing", "activation_checkpointing_every",
                                              "seq_len_warmup_steps")}
+        if tc.compile_backend != "inductor":  # (named only when set, so Inductor runs keep their caches' names)
+            shape["compile_backend"] = tc.compile_backend
         job = config_to_toml(self.cfg.model) + repr(sorted(shape.items())) + f"{self.world_size} {self.device.type}"
         use_compile_cache(tc.compile_cache_dir, job_text=job)
 
