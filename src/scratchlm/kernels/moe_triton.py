@@ -369,11 +369,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, row_token, offs, kept, token_rows, w13, w2, h, g = ctx.saved_tensors
         grad_y = grad_y.to(w2.dtype).contiguous()
-        dh, _ = moe_rows(grad_y, row_token, offs, w2, epilogue="swiglu_backward", h=h)
-        dw2 = moe_expert_grad(grad_y, g, row_token, offs, kept)
-        dw13 = moe_expert_grad(dh, x, row_token, offs, kept, gather_b=True)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
+        dx_needed, dw13_needed, dw2_needed = (ctx.needs_input_grad[i] for i in (0, 5, 6))
+        dh = dw13 = dw2 = grad_x = None
+        if dx_needed or dw13_needed:
+            dh, _ = moe_rows(grad_y, row_token, offs, w2, epilogue="swiglu_backward", h=h)
+        if dw2_needed:
+            dw2 = moe_expert_grad(grad_y, g, row_token, offs, kept)
+        if dw13_needed:
+            dw13 = moe_expert_grad(dh, x, row_token, offs, kept, gather_b=True)
+        if dx_needed:
             # dh w13 over the rows, then each token's rows gathered and summed (no atomics).
             dbuf, _ = moe_rows(dh, row_token, offs, w13.transpose(1, 2))
             picked = dbuf[token_rows.clamp(min=0)].float()  # (k, N, D)
