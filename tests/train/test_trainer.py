@@ -316,6 +316,15 @@ def test_optimizer_options_without_effect_are_noted(cfg):
             'optimizer is "adamw")']
 
 
+def test_parallel_options_without_effect_are_noted(cfg):
+    # (the single-process strategy starts no process group: its backend and timeout were never read)
+    single = replace(cfg, parallel=replace(cfg.parallel, backend="gloo", timeout_s=60.0))
+    assert trainer_mod.ignored_options(single, torch.device("cpu")) \
+        == ['parallel.backend="gloo", parallel.timeout_s=60.0 have no effect (parallel.strategy="none" trains in '
+            'one process: no process group, no gradient communication)']
+    assert trainer_mod.ignored_options(cfg, torch.device("cpu")) == []
+
+
 @pytest.mark.parametrize("trainer, device, note", [
     ({"compile_mode": "max-autotune"}, "cpu",
      'trainer.compile_mode="max-autotune" has no effect (trainer.compile=false: the model runs eagerly)'),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from scratchlm.config import settings_text
 
 COMPUTE_DTYPES = ("none", "bf16", "fp16")
 OPTIMIZER_STATE_FORMATS = ("full", "sharded")
@@ -44,3 +46,33 @@ class ParallelConfig:
             raise ValueError(f"parallel.bucket_size_mb must be positive, got {self.bucket_size_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+
+    def ignored_options(self) -> list[str]:
+        """One line for each group of options set away from their defaults that this strategy never
+        reads (any of them with strategy "none", which starts no process group; bucket_size_mb or
+        optimizer_state with a strategy that has no buckets or keeps whole optimizer state), for a
+        command to print: they would otherwise be ignored silently."""
+        from scratchlm.parallel.registry import STRATEGIES
+        from scratchlm.parallel.strategies.sharded import ShardedStateStrategy
+        from scratchlm.parallel.strategy import DistributedStrategy
+
+        defaults = ParallelConfig()
+        changed = [f.name for f in fields(self)
+                   if f.name != "strategy" and getattr(self, f.name) != getattr(defaults, f.name)]
+        cls = STRATEGIES[self.strategy]
+        if not issubclass(cls, DistributedStrategy):
+            if not changed:
+                return []
+            return [f"{settings_text('parallel', self, changed)} no effect (parallel.strategy=\"{self.strategy}\" "
+                    "trains in one process: no process group, no gradient communication)"]
+        notes = []
+        if "bucket_size_mb" in changed and not cls.uses_bucket_size:
+            *others, last = [f'"{name}"' for name, c in STRATEGIES.items() if c.uses_bucket_size]
+            users = f"{', '.join(others)} or {last}" if others else last
+            notes.append(f"{settings_text('parallel', self, ['bucket_size_mb'])} no effect (it sizes the gradient "
+                         f"buckets of parallel.strategy={users}; this run's is \"{self.strategy}\")")
+        if "optimizer_state" in changed and not issubclass(cls, ShardedStateStrategy):
+            notes.append(f"{settings_text('parallel', self, ['optimizer_state'])} no effect "
+                         f"(parallel.strategy=\"{self.strategy}\" keeps the whole optimizer state on every rank and "
+                         "saves it once)")
+        return notes

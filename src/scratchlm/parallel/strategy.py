@@ -80,6 +80,9 @@ class Strategy:
     # Whether `wrap_model` computes in `parallel.compute_dtype` (the FSDP strategies); the config
     # refuses a compute dtype for the others, which would train in fp32 without saying so.
     uses_compute_dtype: ClassVar[bool] = False
+    # Whether `wrap_model` groups gradients into buckets of `parallel.bucket_size_mb` (ddp_bucketed,
+    # torch_ddp); for the others the option has no effect, and a run that sets it says so.
+    uses_bucket_size: ClassVar[bool] = False
 
     def __init__(self, cfg: ParallelConfig, *, device: torch.device, rank: int = 0, world_size: int = 1,
                  local_rank: int = 0, backend: str | None = None, owns_process_group: bool = False) -> None:

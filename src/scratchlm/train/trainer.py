@@ -154,7 +154,7 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     so that such an option is not ignored silently."""
     tc, defaults = cfg.trainer, TrainerConfig()
     changed = {f.name for f in dataclasses.fields(tc) if getattr(tc, f.name) != getattr(defaults, f.name)}
-    notes = cfg.model.ignored_options() + cfg.optim.ignored_options()
+    notes = cfg.model.ignored_options() + cfg.optim.ignored_options() + cfg.parallel.ignored_options()
     compile_options = [name for name in ("compile_mode", "compile_backend", "compile_scope", "compile_cache_dir",
                                          "compile_eval") if name in changed]
     if compile_options and not tc.compile:

@@ -12,6 +12,7 @@ class BucketedDDPStrategy(ReplicatedStrategy):
 
     name = "ddp_bucketed"
     overlaps_backward = True
+    uses_bucket_size = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from scratchlm.parallel.ddp import DDP

@@ -12,6 +12,7 @@ class TorchDDPStrategy(ReplicatedStrategy):
 
     name = "torch_ddp"
     overlaps_backward = True
+    uses_bucket_size = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
