@@ -39,6 +39,11 @@ def test_the_edges_that_work_are_accepted():
      'model.moe_num_experts=4, model.moe_aux_coef=0.1, model.moe_renormalize=false have no effect (the moe_* options '
      'apply to model.ffn="moe"; this model\'s ffn is "relu2")'),
     ({"use_rope": False, "rope_theta": 5e5}, "model.rope_theta=500000.0 has no effect (model.use_rope=false: no RoPE)"),
+    ({"sliding_window": 256}, "model.sliding_window=256 has no effect at model.context_length=256 (no sequence is "
+                              "longer than the window: every query sees its whole prefix)"),
+    ({"context_length": 64, "sliding_window": 1000},
+     "model.sliding_window=1000 has no effect at model.context_length=64 (no sequence is longer than the window: "
+     "every query sees its whole prefix)"),
 ])
 def test_options_the_model_never_reads_are_named(kwargs, note):
     assert ModelConfig(**kwargs).ignored_options() == [note]
@@ -46,7 +51,7 @@ def test_options_the_model_never_reads_are_named(kwargs, note):
 
 @pytest.mark.parametrize("kwargs", [
     {}, {"ffn": "moe", "moe_top_k": 4, "moe_num_experts": 4}, {"rope_theta": 5e5}, {"use_rope": False},
-    {"ffn": "relu2"},
+    {"ffn": "relu2"}, {"sliding_window": 255}, {"context_length": 64, "sliding_window": 16},
 ])
 def test_options_the_model_reads_are_not_named(kwargs):
     assert ModelConfig(**kwargs).ignored_options() == []

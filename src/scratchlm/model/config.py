@@ -139,8 +139,9 @@ class ModelConfig:
 
     def ignored_options(self) -> list[str]:
         """One line for each group of options set away from their defaults that this model never
-        reads (the moe_* options of a model whose ffn is not "moe", rope_theta without RoPE), for a
-        command to print: they would otherwise be ignored silently."""
+        reads (the moe_* options of a model whose ffn is not "moe", rope_theta without RoPE, a
+        sliding_window no shorter than context_length), for a command to print: they would
+        otherwise be ignored silently."""
         defaults = ModelConfig()
         changed = [f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)]
         notes = []
@@ -150,5 +151,9 @@ class ModelConfig:
                          f"model.ffn=\"moe\"; this model's ffn is \"{self.ffn}\")")
         if "rope_theta" in changed and not self.use_rope:
             notes.append(f"{settings_text('model', self, ['rope_theta'])} no effect (model.use_rope=false: no RoPE)")
+        if self.sliding_window is not None and self.sliding_window >= self.context_length:
+            notes.append(f"{settings_text('model', self, ['sliding_window'])} no effect at model.context_length="
+                         f"{self.context_length} (no sequence is longer than the window: every query sees its whole "
+                         "prefix)")
         return notes
 
