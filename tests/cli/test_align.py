@@ -357,6 +357,20 @@ def test_eval_math_refuses_bad_options_before_loading_anything(tmp_path, capsys,
     assert file.read_text() == "keep\n"
 
 
+def test_eval_math_notes_a_seed_that_greedy_decoding_never_reads(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    base = ["eval-math", str(tmp_path / "no-run")]  # refused next, after the options: no model there
+    assert main([*base, "--dataset", str(data), "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("note: --seed has no effect here (--temperature 0 decodes greedily: the most likely token "
+                          "every step)\n")
+    # sampled answers read it, and so does arith, whose problems are drawn from it: no note
+    for options in ([], ["--temperature", "0.7", "--seed", "3"], ["--dataset", "arith", "--seed", "3"]):
+        assert main([*base, *(["--dataset", str(data)] if "--dataset" not in options else []), *options]) == 2
+        assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be created")
 @pytest.mark.parametrize("out", ["/proc/results.jsonl", "/proc/missing/results.jsonl"])
 def test_eval_math_refuses_an_out_it_cannot_write_before_loading_anything(tmp_path, capsys, out):

@@ -511,7 +511,8 @@ def eval_math_command(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps ...")
     parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/ and math/")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of sampled answers (--temperature > 0) and of the arith problems")
     parser.add_argument("--skip-long", action="store_true",
                         help="grade only the problems whose prompt leaves room for an answer in the model's context "
                              "(by default such a prompt is an error, before any evaluation)")
@@ -533,6 +534,10 @@ def eval_math_command(argv: list[str]) -> int:
         raise UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if not (args.dataset == "arith" or args.dataset.startswith("arith:")):  # (arith draws its problems from --seed)
+        from scratchlm.cli.infer import note_if_greedy
+
+        note_if_greedy(args, parser, ("seed",))
     if args.out:
         # Checked now, not after the whole evaluation has run.
         out = Path(args.out)

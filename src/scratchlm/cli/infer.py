@@ -111,14 +111,14 @@ def _note_if_not_compiled(args, device) -> None:
         print(f"note: --compile has no effect here ({why}); the model runs eagerly", file=sys.stderr)
 
 
-def _note_if_greedy(args: argparse.Namespace) -> None:
-    """--top-k, --top-p or --seed given with --temperature 0: greedy decoding takes the most
-    likely token, which none of them changes; say so rather than ignore them silently."""
+def note_if_greedy(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                   names: tuple[str, ...] = ("top_k", "top_p", "seed")) -> None:
+    """Sampling options `names` of `parser` (--top-k, --top-p, --seed) given with --temperature 0:
+    greedy decoding takes the most likely token, which none of them changes; say so rather than
+    ignore them silently. `scratchlm generate` and `scratchlm eval-math` call it."""
     if args.temperature != 0:
         return
-    parser = _parser()
-    given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "seed")
-             if getattr(args, name) != parser.get_default(name)]
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != parser.get_default(name)]
     if given:
         print(f"note: {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect here (--temperature 0 "
               "decodes greedily: the most likely token every step)", file=sys.stderr)
@@ -137,9 +137,10 @@ def _check_pdl(device) -> None:
 
 def generate_command(argv: list[str]) -> int:
     """Load the model and tokenizer, generate for each --prompt, print completions and speed."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     _check_args(args)
-    _note_if_greedy(args)
+    note_if_greedy(args, parser)
     from scratchlm.device import resolve_device
     from scratchlm.dtypes import torch_dtype
     from scratchlm.infer.generate import generate
