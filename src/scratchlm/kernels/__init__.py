@@ -13,7 +13,8 @@
 - ``swiglu_triton``: SwiGLU's gate over the concatenated w1|w3 projections, its backward one
   Triton kernel that writes both gradients as one tensor.
 - ``moe_triton``: a mixture-of-experts FFN's grouped GEMMs (``grouped_swiglu``), the dispatch
-  gather in their loads and SwiGLU's forward and backward in their epilogues.
+  gather in their loads and SwiGLU's forward and backward in their epilogues; ``moe_route_triton``
+  its routing (softmax, top-k, gates) and the buffer layout in two kernels.
 - ``fused_linear_cross_entropy``: the LM head and its loss, chunked so the (tokens x vocab)
   logits never exist at once.
 - ``triton_support``: what the Triton kernels share (the guarded import, when a tensor can run

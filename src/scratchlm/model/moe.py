@@ -31,9 +31,10 @@ contiguous block, and each block is one matrix multiply:
   assignments in priority order, a cumulative sum over one-hot (assignment, expert) rows. The
   block offsets stay on the device, so neither mode synchronises with the host, and capacity
   costs only the FLOPs of the kept assignments, not ``E · C`` rows.
-- ``gemm="triton"``: the same layout with blocks of multiples of 128 rows, and scratchlm's
-  grouped GEMM kernels (`scratchlm.kernels.moe_triton`) in place of ``torch._grouped_mm``: they
-  gather x's rows as they load them and apply SwiGLU, and its backward, in their epilogues.
+- ``gemm="triton"``: the same layout with blocks of multiples of 128 rows, routed and laid out
+  by two kernels (`scratchlm.kernels.moe_route_triton`), and scratchlm's grouped GEMM kernels
+  (`scratchlm.kernels.moe_triton`) in place of ``torch._grouped_mm``: they gather x's rows as
+  they load them and apply SwiGLU, and its backward, in their epilogues.
 
 Every path uses gathers only (no scatter-add in the forward), so results do not depend on
 atomics' order.
@@ -128,13 +129,16 @@ def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor
     return probs, gates, experts
 
 
-def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor) -> dict[str, Tensor]:
+def router_stats(logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor,
+                 counts: Tensor | None = None) -> dict[str, Tensor]:
     """Auxiliary losses and statistics of one routing; logits/probs (N, E), experts (N, k).
 
     ``dropped``: number of assignments dropped for lack of capacity (a scalar tensor).
+    ``counts``: assignments per expert (before capacity) where the caller has them already.
     """
     num_experts = probs.shape[-1]
-    fraction = count_per_expert(experts.reshape(-1), num_experts).to(probs.dtype) / experts.numel()
+    counts = count_per_expert(experts.reshape(-1), num_experts) if counts is None else counts
+    fraction = counts.to(probs.dtype) / experts.numel()
     mean_prob = probs.mean(dim=0)
     return {
         "load_balance": num_experts * (fraction * mean_prob).sum(),
@@ -228,6 +232,8 @@ class MoEFFN(nn.Module):
         x2 = x.reshape(-1, self.d_model)  # (N, D)
         N, E, k = x2.shape[0], self.num_experts, self.top_k
         logits = self.router(x2)  # (N, E)
+        if self.gemm == "triton":
+            return self._triton_forward(x2, logits, shape)
         probs, gates, experts = route(logits, k, self.renormalize)
 
         # Assignments in priority order: all first choices (token order), then all second ones.
@@ -280,14 +286,14 @@ class MoEFFN(nn.Module):
         return self._finish(out, x2, logits, probs, experts, dropped, shape)
 
     def _finish(self, out: Tensor, x2: Tensor, logits: Tensor, probs: Tensor, experts: Tensor, dropped: Tensor,
-                shape: torch.Size) -> Tensor:
+                shape: torch.Size, counts: Tensor | None = None) -> Tensor:
         if self.shared is not None:
             out = out + self.shared(x2)
-        self.last_aux = router_stats(logits, probs, experts, dropped)
+        self.last_aux = router_stats(logits, probs, experts, dropped, counts)
         return out.view(shape)
 
     def _use_grouped_mm(self, x2: Tensor, compute_dtype: torch.dtype) -> bool:
-        if self.gemm in ("grouped_mm", "triton"):
+        if self.gemm == "grouped_mm":
             return True
         # The router's logits have the dtype the experts' matmuls will have (bf16 under autocast).
         return (self.gemm == "auto" and x2.is_cuda and compute_dtype == torch.bfloat16 and grouped_mm_supported()
@@ -302,32 +308,39 @@ class MoEFFN(nn.Module):
         correspondence, so moving rows either way is a gather in the forward *and* in the
         backward (``_Dispatch`` / ``_Combine``): no scatter-add, no atomics.
 
-        ``gemm="grouped_mm"``: blocks aligned to 16 rows, two ``torch._grouped_mm`` calls.
-        ``gemm="triton"``: blocks aligned to 128 rows, `scratchlm.kernels.moe_triton`'s
-        kernels, which gather x's rows as they load them and apply SwiGLU (and its backward) in
-        their epilogues.
+        Blocks aligned to 16 rows, two ``torch._grouped_mm`` calls (``gemm="triton"`` takes
+        `_triton_forward` instead).
         """
         N, E, k = x2.shape[0], self.num_experts, self.top_k
         capacity = None if self.capacity_factor is None else expert_capacity(N, E, k, self.capacity_factor)
-        triton_gemm = self.gemm == "triton"
-        if triton_gemm:  # imported here: triton loads only for the layers that use it
-            from scratchlm.kernels.moe_triton import ALIGN, grouped_swiglu
-        lay = block_layout(flat_expert, E, capacity, ALIGN if triton_gemm else GROUP_ALIGN)
+        lay = block_layout(flat_expert, E, capacity, GROUP_ALIGN)
         gate = flat_gate * lay.keep  # dropped assignments add nothing
-        if triton_gemm:
-            row_token = torch.where(lay.filled, lay.assign_of % N, -1).to(torch.int32)
-            token_rows = torch.where(lay.keep, lay.row, -1).view(k, N)
-            w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
-            y = grouped_swiglu(x2, row_token, lay.offs, lay.kept.to(torch.int32), token_rows, w13,
-                               self.w2.to(dtype))
-        else:
-            buf = _Dispatch.apply(x2, lay.assign_of % N, lay.filled, lay.row, lay.keep, k, dtype)  # (P, D)
-            w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
-            h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=lay.offs)  # (P, 2F)
-            h1, h3 = h.split(self.d_ff, dim=-1)
-            y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=lay.offs)  # (P, D)
+        buf = _Dispatch.apply(x2, lay.assign_of % N, lay.filled, lay.row, lay.keep, k, dtype)  # (P, D)
+        w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
+        h = torch._grouped_mm(buf, w13.transpose(1, 2), offs=lay.offs)  # (P, 2F)
+        h1, h3 = h.split(self.d_ff, dim=-1)
+        y = torch._grouped_mm(silu(h1) * h3, self.w2.to(dtype).transpose(1, 2), offs=lay.offs)  # (P, D)
         out = _Combine.apply(y, gate, lay.row, lay.assign_of, lay.filled, k)
         return out, flat_expert.numel() - lay.keep.sum()
+
+    def _triton_forward(self, x2: Tensor, logits: Tensor, shape: torch.Size) -> Tensor:
+        """``gemm="triton"``: routing and layout in two kernels (`scratchlm.kernels.moe_route_triton`,
+        blocks of multiples of 128 rows), then the grouped GEMMs of `scratchlm.kernels.moe_triton`,
+        which gather x's rows as they load them and apply SwiGLU, and its backward, in their
+        epilogues. Where Triton cannot run, both compute the same with torch."""
+        from scratchlm.kernels.moe_route_triton import route_and_layout
+        from scratchlm.kernels.moe_triton import ALIGN, grouped_swiglu
+
+        N, E, k = x2.shape[0], self.num_experts, self.top_k
+        capacity = None if self.capacity_factor is None else expert_capacity(N, E, k, self.capacity_factor)
+        r = route_and_layout(logits, k, self.renormalize, capacity, ALIGN)
+        dtype = logits.dtype  # the experts' compute dtype (bf16 under autocast)
+        w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
+        y = grouped_swiglu(x2, r.row_token, r.offs, r.kept, r.token_rows, w13, self.w2.to(dtype))  # (P, D)
+        gate = r.gates.t().reshape(-1).to(x2.dtype) * r.keep  # (k·N,) priority order; dropped ones add nothing
+        A = N * k
+        out = _Combine.apply(y, gate, r.row, r.assign_of, r.assign_of < A, k)
+        return self._finish(out, x2, logits, r.probs, r.experts, A - r.keep.sum(), shape, counts=r.counts)
 
 
 class BlockLayout(NamedTuple):
