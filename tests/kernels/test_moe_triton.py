@@ -37,30 +37,29 @@ CASES = [  # (N, D, F, E, k, capacity, experts given no token)
 def _tensors(N, D, F, E, dtype, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=g).to(device)
-    w13 = (torch.randn(E, 2 * F, D, generator=g) / D ** 0.5).to(device=device, dtype=dtype)
+    w1, w3 = ((torch.randn(E, F, D, generator=g) / D ** 0.5).to(device=device, dtype=dtype) for _ in range(2))
     w2 = (torch.randn(E, D, F, generator=g) / F ** 0.5).to(device=device, dtype=dtype)
-    return x, w13, w2
+    return x, w1, w3, w2
 
 
 def _check(N, D, F, E, k, capacity, empty, dtype, device, tol):
+    """grouped_swiglu computing in `dtype` from float32 x and weights (as under autocast), against
+    float64; the gradients come back in float32."""
     lay, row_token, token_rows = _routing(N, E, k, capacity, empty, device=device)
-    x, w13, w2 = _tensors(N, D, F, E, dtype, device=device)
-    x.requires_grad_(True)
-    w13.requires_grad_(True)
-    w2.requires_grad_(True)
-    y = grouped_swiglu(x, row_token, lay.offs, lay.kept.to(torch.int32), token_rows, w13, w2)
+    x, w1, w3, w2 = (t.requires_grad_(True) for t in _tensors(N, D, F, E, torch.float32, device=device))
+    y = grouped_swiglu(x, row_token, lay.offs, lay.kept.to(torch.int32), token_rows, w1, w3, w2, dtype)
     assert y.shape == (row_token.shape[0], D) and y.dtype == dtype
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
-    grads = torch.autograd.grad(y, [x, w13, w2], grad)
+    grads = torch.autograd.grad(y, [x, w1, w3, w2], grad)
 
-    ref_in = [t.detach().double().requires_grad_(True) for t in (x, w13, w2)]
-    ref = grouped_swiglu_reference(ref_in[0], row_token, lay.offs, ref_in[1], ref_in[2])
+    ref_in = [t.detach().to(dtype).double().requires_grad_(True) for t in (x, w1, w3, w2)]
+    ref = grouped_swiglu_reference(ref_in[0], row_token, lay.offs, torch.cat(ref_in[1:3], dim=1), ref_in[3])
     ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
     assert torch.all(y[row_token < 0] == 0)
     scale = ref.abs().max()
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * scale.item())
-    for name, got, want in zip(("x", "w13", "w2"), grads, ref_grads):
-        assert got.dtype == (x.dtype if name == "x" else dtype)
+    for name, got, want in zip(("x", "w1", "w3", "w2"), grads, ref_grads):
+        assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item(), msg=name)
 
 
@@ -69,8 +68,8 @@ def test_float32_matches_float64(case):
     _check(*case, torch.float32, "cpu", 1e-4)
 
 
-def test_bfloat16_weights_with_float32_activations():
-    # as under autocast: x stays fp32 and is cast as its rows load
+def test_bfloat16_compute_from_float32_activations_and_weights():
+    # as under autocast: float32 x and master weights, the matmuls in bf16
     _check(90, 40, 36, 5, 2, None, (1,), torch.bfloat16, "cpu", 3e-2)
 
 
@@ -85,12 +84,15 @@ def test_expert_grad_sums_only_the_kept_rows_of_each_block():
     P = row_token.shape[0]
     a = torch.randn(P, 8)
     b = torch.randn(60, 6)
-    got = moe_expert_grad(a, b, row_token, lay.offs, lay.kept.to(torch.int32), gather_b=True)
+    first, rest = moe_expert_grad(a, b, row_token, lay.offs, lay.kept.to(torch.int32), gather_b=True, split=3,
+                                  out_dtype=torch.float64)
+    assert first.shape == (4, 3, 6) and rest.shape == (4, 5, 6) and first.dtype == torch.float64
+    got = torch.cat([first, rest], dim=1)
     starts = [0, *lay.offs[:-1].tolist()]
     for e in range(4):
         rows = torch.arange(starts[e], starts[e] + int(lay.kept[e]))
         want = a[rows].double().t() @ b[row_token[rows].long()].double()
-        torch.testing.assert_close(got[e].double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[e], want, rtol=1e-5, atol=1e-5)
     assert int(lay.kept.max()) == 18
 
 
@@ -153,18 +155,17 @@ def test_moe_layer_on_the_kernels_compiles_in_one_graph():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("wants", ["x", "weights"])
+@pytest.mark.parametrize("wants", ["x", "w1", "w2"])
 def test_backward_computes_only_the_gradients_asked_for(wants):
     lay, row_token, token_rows = _routing(70, 4, 2)
-    x, w13, w2 = _tensors(70, 32, 48, 4, torch.float32)
-    x.requires_grad_(wants == "x")
-    w13.requires_grad_(wants == "weights")
-    w2.requires_grad_(wants == "weights")
-    inputs = [x] if wants == "x" else [w13, w2]
-    y = grouped_swiglu(x, row_token, lay.offs, lay.kept.to(torch.int32), token_rows, w13, w2)
+    tensors = _tensors(70, 32, 48, 4, torch.float32)
+    for name, t in zip(("x", "w1", "w3", "w2"), tensors):
+        t.requires_grad_(name == wants)
+    inputs = [t for t in tensors if t.requires_grad]
+    y = grouped_swiglu(tensors[0], row_token, lay.offs, lay.kept.to(torch.int32), token_rows, *tensors[1:])
     grads = torch.autograd.grad(y.square().sum(), inputs)
-    ref_in = [t.detach().double().requires_grad_(t.requires_grad) for t in (x, w13, w2)]
-    ref = grouped_swiglu_reference(ref_in[0], row_token, lay.offs, ref_in[1], ref_in[2])
+    ref_in = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+    ref = grouped_swiglu_reference(ref_in[0], row_token, lay.offs, torch.cat(ref_in[1:3], dim=1), ref_in[3])
     want = torch.autograd.grad(ref.square().sum(), [t for t in ref_in if t.requires_grad])
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

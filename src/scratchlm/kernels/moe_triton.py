@@ -8,25 +8,27 @@ rows, so no tile of rows straddles two experts.
 - ``row_token`` (P,) int32: the token a row holds, -1 for padding.
 - ``kept`` (E,) int32: how many rows each expert holds (the first ``kept[e]`` of its block).
 
-``grouped_swiglu(x, row_token, offs, kept, w13, w2)`` computes every row's expert SwiGLU,
-y[r] = (silu(x[t] w1ᵀ) · x[t] w3ᵀ) w2ᵀ with t = row_token[r] and the row's expert's weights
-(w13 = w1 | w3 stacked, (E, 2F, D); w2 (E, D, F)). It returns (P, D), zero on padding rows.
-Its forward is two kernels:
+``grouped_swiglu(x, row_token, offs, kept, token_rows, w1, w3, w2, dtype)`` computes every
+row's expert SwiGLU, y[r] = (silu(x[t] w1ᵀ) · x[t] w3ᵀ) w2ᵀ with t = row_token[r] and the row's
+expert's weights (w1, w3 (E, F, D), w2 (E, D, F)), in the compute dtype. It returns (P, D), zero
+on padding rows. x and the weights are cast to the compute dtype once (w1 and w3 stacked as
+w13 = w1 | w3, (E, 2F, D)); its forward is then two kernels:
 
-- up: h = x[t] w13ᵀ. The rows of x are gathered as their tiles load, and cast to w13's dtype
-  in registers. The epilogue writes h (P, 2F), kept for the backward, and g = silu(h1) · h3 (P, F).
+- up: h = x[t] w13ᵀ. The rows of x are gathered as their tiles load. The epilogue writes
+  h (P, 2F), kept for the backward, and g = silu(h1) · h3 (P, F).
 - down: y = g w2ᵀ.
 
 Its backward (for grad_y (P, D)) is four:
 
 - dh = SwiGLU'(grad_y w2) with SwiGLU's backward in the epilogue.
 - dw2[e] = Σ_r grad_y[r]ᵀ g[r] and dw13[e] = Σ_r dh[r]ᵀ x[t], over the rows of e's block. The
-  second gathers x's rows as it loads them.
+  second gathers x's rows as it loads them and writes w1's and w3's halves apart; both write in
+  the weights' own dtype (float32 masters), so no cast follows.
 - dx rows = dh w13, gathered back onto their tokens and summed (no atomics).
 
-In place of `torch._grouped_mm`, these take the dispatch gather, the bf16 cast of the
-activations and SwiGLU's forward and backward (which Inductor otherwise runs as kernels of their
-own over the (P, 2F) projections) into the GEMMs' loads and epilogues.
+In place of `torch._grouped_mm`, these take the dispatch gather and SwiGLU's forward and backward
+(which Inductor otherwise runs as kernels of their own over the (P, 2F) projections) into the
+GEMMs' loads and epilogues.
 
 Each launch is an op (``scratchlm::moe_rows``, ``scratchlm::moe_expert_grad``), a
 ``triton_op`` where torch has it so torch.compile launches the kernels itself. On tensors
@@ -147,11 +149,11 @@ if triton is not None:
             tl.store(d_ptrs + F, d3.to(out_ty), mask=cols_ok[None, :])
 
     @triton.jit
-    def _expert_grad_kernel(A, B, ROW_TOKEN, OFFS, KEPT, C, M, N, stride_am, stride_bm, GATHER_B: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """C[e, m, n] = Σ_r A[r, m] · B[src(r), n] over the kept rows r of expert e's block.
+    def _expert_grad_kernel(A, B, ROW_TOKEN, OFFS, KEPT, C, C2, M, N, SPLIT, stride_am, stride_bm,
+                            GATHER_B: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Σ_r A[r, m] · B[src(r), n] over the kept rows r of expert e's block, into C[e, m, n] for
+        m < SPLIT and C2[e, m - SPLIT, n] for the rest (w1's and w3's gradients apart).
 
         src(r) is row_token[r] with GATHER_B, else r. An expert with no rows gets zeros.
         """
@@ -181,7 +183,10 @@ if triton is not None:
             b = tl.load(B + src[:, None] * stride_bm + offs_n[None, :], mask=row_ok[:, None] & n_ok[None, :],
                         other=0.0)
             acc = _dot(a, b.to(A.dtype.element_ty), acc, DOT_PRECISION, DOT_F32)
-        c_ptrs = C + expert.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+        first = offs_m < SPLIT
+        e = expert.to(tl.int64)
+        c_ptrs = tl.where(first[:, None], C + (e * SPLIT + offs_m[:, None]) * N + offs_n[None, :],
+                          C2 + (e * (M - SPLIT) + offs_m[:, None] - SPLIT) * N + offs_n[None, :])
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen for Hopper (H100/H200): wgmma-sized
@@ -321,7 +326,7 @@ def moe_rows(a: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor, b: to
 
 
 def _expert_grad_impl(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor,
-                      kept: torch.Tensor, gather_b: bool) -> torch.Tensor:
+                      kept: torch.Tensor, gather_b: bool, split: int, out_dtype: torch.dtype) -> list[torch.Tensor]:
     E, M, N = offs.shape[0], a.shape[1], b.shape[1]
     if not _can_use_triton(a):  # torch, without a host sync (see _rows_reference)
         P = row_token.shape[0]
@@ -329,9 +334,11 @@ def _expert_grad_impl(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor,
         place = torch.arange(P, device=a.device) - _block_starts(offs)[_expert_of_rows(offs, P)]
         expert = _expert_of_rows(offs, P)
         mine = (expert[None, :] == torch.arange(E, device=a.device)[:, None]) & (place < kept[expert])[None, :]
-        return torch.einsum("ep,pm,pn->emn", mine.float(), a.float(), src).to(a.dtype)
-    c = a.new_empty((E, M, N))
-    args = (a, b, row_token, offs, kept, c, M, N, a.stride(0), b.stride(0))
+        c = torch.einsum("ep,pm,pn->emn", mine.float(), a.float(), src).to(out_dtype)
+        return [c[:, :split].clone(), c[:, split:].clone()]
+    c = a.new_empty((E, split, N), dtype=out_dtype)
+    c2 = a.new_empty((E, M - split, N), dtype=out_dtype)
+    args = (a, b, row_token, offs, kept, c, c2 if split < M else c, M, N, split, a.stride(0), b.stride(0))
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     with _device(a):
         if _autotune(a):
@@ -339,64 +346,81 @@ def _expert_grad_impl(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor,
         else:
             wrap_triton(_expert_grad_kernel)[grid](*args, GATHER_B=gather_b, **_dot_flags(a), BLOCK_M=32, BLOCK_N=32,
                                                    BLOCK_K=32, num_warps=4, num_stages=2)
-    return c
+    return [c, c2]
 
 
-def _expert_grad_fake(a, b, row_token, offs, kept, gather_b):
-    return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]))
+def _expert_grad_fake(a, b, row_token, offs, kept, gather_b, split, out_dtype):
+    E, M, N = offs.shape[0], a.shape[1], b.shape[1]
+    return [a.new_empty((E, split, N), dtype=out_dtype), a.new_empty((E, M - split, N), dtype=out_dtype)]
 
 
 moe_expert_grad_op = _register("scratchlm::moe_expert_grad", _expert_grad_impl, _expert_grad_fake)
 
 
 def moe_expert_grad(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor,
-                    kept: torch.Tensor, *, gather_b: bool = False) -> torch.Tensor:
-    """(E, M, N): for each expert e, Σ a[r]ᵀ b[src(r)] over the kept rows r of its block, where
-    src(r) = row_token[r] with ``gather_b`` (b then holds x's tokens), else r. a (P, M) and the
-    result have a's dtype; the sum runs in float32."""
-    return moe_expert_grad_op(a, b, row_token, offs, kept, gather_b)
+                    kept: torch.Tensor, *, gather_b: bool = False, split: int | None = None,
+                    out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """For each expert e, Σ a[r]ᵀ b[src(r)] over the kept rows r of its block, where src(r) =
+    row_token[r] with ``gather_b`` (b then holds x's tokens), else r; a (P, M). Returns [the
+    result's first ``split`` rows of M (E, split, N), the rest (E, M - split, N)] (split
+    defaults to M, the second then empty), in ``out_dtype`` (default a's); the sum runs in
+    float32."""
+    M = a.shape[1]
+    return moe_expert_grad_op(a, b, row_token, offs, kept, gather_b, M if split is None else split,
+                              a.dtype if out_dtype is None else out_dtype)
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, row_token, offs, kept, token_rows, w13, w2):
-        g, h = moe_rows(x, row_token, offs, w13, epilogue="swiglu", gather=True)
-        (y, _) = moe_rows(g, row_token, offs, w2)
-        ctx.save_for_backward(x, row_token, offs, kept, token_rows, w13, w2, h, g)
+    def forward(ctx, x, row_token, offs, kept, token_rows, w1, w3, w2, dtype):
+        # The operands in the compute dtype, once: the kernels then load them as they are (x's rows
+        # gathered straight into the pipeline), and the backward keeps half-size copies.
+        xc = x.to(dtype).contiguous()
+        w13 = torch.cat([w1.to(dtype), w3.to(dtype)], dim=1)  # (E, 2F, D)
+        w2c = w2.to(dtype).contiguous()
+        g, h = moe_rows(xc, row_token, offs, w13, epilogue="swiglu", gather=True)
+        (y, _) = moe_rows(g, row_token, offs, w2c)
+        ctx.save_for_backward(xc, row_token, offs, kept, token_rows, w13, w2c, h, g)
+        ctx.dtypes = (x.dtype, w1.dtype, w3.dtype, w2.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, row_token, offs, kept, token_rows, w13, w2, h, g = ctx.saved_tensors
+        x_dtype, w1_dtype, w3_dtype, w2_dtype = ctx.dtypes
         grad_y = grad_y.to(w2.dtype).contiguous()
-        dx_needed, dw13_needed, dw2_needed = (ctx.needs_input_grad[i] for i in (0, 5, 6))
-        dh = dw13 = dw2 = grad_x = None
-        if dx_needed or dw13_needed:
+        dx_needed, dw1_needed, dw3_needed, dw2_needed = (ctx.needs_input_grad[i] for i in (0, 5, 6, 7))
+        dh = dw1 = dw3 = dw2 = grad_x = None
+        if dx_needed or dw1_needed or dw3_needed:
             dh, _ = moe_rows(grad_y, row_token, offs, w2, epilogue="swiglu_backward", h=h)
         if dw2_needed:
-            dw2 = moe_expert_grad(grad_y, g, row_token, offs, kept)
-        if dw13_needed:
-            dw13 = moe_expert_grad(dh, x, row_token, offs, kept, gather_b=True)
+            dw2, _ = moe_expert_grad(grad_y, g, row_token, offs, kept, out_dtype=w2_dtype)
+        if dw1_needed or dw3_needed:
+            # straight into w1's and w3's dtype (float32 master weights): no cast pass after
+            dw1, dw3 = moe_expert_grad(dh, x, row_token, offs, kept, gather_b=True, split=w13.shape[1] // 2,
+                                       out_dtype=w1_dtype)
+            dw3 = dw3.to(w3_dtype)
         if dx_needed:
             # dh w13 over the rows, then each token's rows gathered and summed (no atomics).
             dbuf, _ = moe_rows(dh, row_token, offs, w13.transpose(1, 2))
             picked = dbuf[token_rows.clamp(min=0)].float()  # (k, N, D)
-            grad_x = torch.where((token_rows >= 0)[..., None], picked, 0.0).sum(dim=0).to(x.dtype)
-        return grad_x, None, None, None, None, dw13, dw2
+            grad_x = torch.where((token_rows >= 0)[..., None], picked, 0.0).sum(dim=0).to(x_dtype)
+        return grad_x, None, None, None, None, dw1, dw3, dw2, None
 
 
 def grouped_swiglu(x: torch.Tensor, row_token: torch.Tensor, offs: torch.Tensor, kept: torch.Tensor,
-                   token_rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """(P, D): row r's expert SwiGLU of x[row_token[r]] (zero on padding rows), in w13's dtype.
+                   token_rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(P, D): row r's expert SwiGLU of x[row_token[r]] (zero on padding rows), computed in
+    ``dtype`` (default w1's; bf16 under autocast) and returned in it.
 
-    x (N, D) in any float dtype; w13 (E, 2F, D) = w1 | w3 of every expert; w2 (E, D, F);
-    row_token (P,), offs and kept (E,) int32 as the module docstring lays out, P a multiple of
-    ``ALIGN``, every block starting at a multiple of it. token_rows (k, N) int64: the row that
-    holds each token's j-th choice, -1 where it holds none (a dropped choice); x's gradient is
-    the sum of those rows' gradients.
+    x (N, D) in any float dtype; w1, w3 (E, F, D) and w2 (E, D, F) the experts' weights (float32
+    masters under autocast: the gradients come back in their dtypes); row_token (P,), offs and kept
+    (E,) int32 as the module docstring lays out, P a multiple of ``ALIGN``, every block starting at
+    a multiple of it. token_rows (k, N) int64: the row that holds each token's j-th choice, -1
+    where it holds none (a dropped choice); x's gradient is the sum of those rows' gradients.
     """
-    return _GroupedSwiGLU.apply(x.contiguous(), row_token, offs, kept, token_rows, w13.contiguous(),
-                                w2.contiguous())
+    return _GroupedSwiGLU.apply(x, row_token, offs, kept, token_rows, w1, w3, w2, dtype or w1.dtype)
 
 
 def grouped_swiglu_reference(x, row_token, offs, w13, w2) -> torch.Tensor:

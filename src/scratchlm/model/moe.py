@@ -334,9 +334,9 @@ class MoEFFN(nn.Module):
         N, E, k = x2.shape[0], self.num_experts, self.top_k
         capacity = None if self.capacity_factor is None else expert_capacity(N, E, k, self.capacity_factor)
         r = route_and_layout(logits, k, self.renormalize, capacity, ALIGN)
-        dtype = logits.dtype  # the experts' compute dtype (bf16 under autocast)
-        w13 = torch.cat([self.w1.to(dtype), self.w3.to(dtype)], dim=1)  # (E, 2F, D)
-        y = grouped_swiglu(x2, r.row_token, r.offs, r.kept, r.token_rows, w13, self.w2.to(dtype))  # (P, D)
+        # in the experts' compute dtype: the router's (bf16 under autocast)
+        y = grouped_swiglu(x2, r.row_token, r.offs, r.kept, r.token_rows, self.w1, self.w3, self.w2,
+                           logits.dtype)  # (P, D)
         gate = r.gates.t().reshape(-1).to(x2.dtype) * r.keep  # (k·N,) priority order; dropped ones add nothing
         A = N * k
         out = _Combine.apply(y, gate, r.row, r.assign_of, r.assign_of < A, k)
