@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scratchlm.bench.results import environment, ratio, write_json
+from scratchlm.bench.timing import graph_replay
 from scratchlm.kernels.flash_attention_triton import FlashAttentionTriton, tuned_tiles, using_backward_dq
 from scratchlm.model.accounting import attention_flops
 
@@ -44,21 +45,6 @@ IMPLS = {
 }
 
 
-def _graphed(step):
-    """`step` captured as a CUDA graph (after warm-up steps on a side stream, which also run the
-    autotuners); returns the graph's replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def _time(fn, mode, q, k, v, g, causal, dq="recompute", graphs=False):
     import triton
 
@@ -71,7 +57,7 @@ def _time(fn, mode, q, k, v, g, causal, dq="recompute", graphs=False):
             out = fn(q, k, v, causal)
             torch.autograd.grad(out, (q, k, v), g)
     with using_backward_dq(dq):
-        run = _graphed(step) if graphs else step
+        run = graph_replay(step) if graphs else step
         return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") / 1e3
 
 

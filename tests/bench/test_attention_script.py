@@ -59,7 +59,7 @@ def test_graphed_step_replays_the_same_gradients():
 
     step()
     want = [t.clone() for t in grads]
-    replay = script._graphed(step)
+    replay = script.graph_replay(step)
     for t in grads:
         t.zero_()
     replay()

@@ -5,6 +5,7 @@ import pytest
 
 import scratchlm.bench.results as results
 from scratchlm.bench.results import add_ratios, environment, ratio, ratio_table, read_jsonl, write_json
+from scratchlm.errors import UserError
 
 
 def test_docstring_examples():
@@ -60,5 +61,5 @@ def test_read_jsonl_leaves_out_a_last_line_cut_by_a_killed_run(tmp_path):
 def test_read_jsonl_names_a_damaged_line_that_is_not_the_last(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"event": "train", "step": 1}\n{"event": "tr\n{"event": "eval", "val_loss": 3.5}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 2 is not a JSON record"):
         read_jsonl(path)

@@ -33,24 +33,12 @@ def write_json(path: str | Path, data: Any) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a JSON-lines file (a run's ``metrics.jsonl``), blank lines skipped.
+    """The records of a run's ``metrics.jsonl``, blank lines skipped and a last line cut short by
+    a killed run left out: `scratchlm.train.metrics.read_metrics` (another damaged line is a
+    UserError naming the file and the line)."""
+    from scratchlm.train.metrics import read_metrics
 
-    A last line cut short (no newline after it: the record a run was writing when it was killed)
-    is left out, as `scratchlm.train.metrics.read_metrics` does; any other line that is not JSON
-    is a ValueError naming the file and the line."""
-    text = Path(path).read_text(encoding="utf-8")
-    lines = text.splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number == len(lines) and not text.endswith("\n"):
-                break  # the record the run was writing when it was killed
-            raise ValueError(f"{path}: line {number} is not JSON") from None
-    return records
+    return read_metrics(path)
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:

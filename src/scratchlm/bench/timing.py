@@ -15,7 +15,7 @@ import torch
 
 from scratchlm.bench.harness import timing_device
 
-__all__ = ["back_to_back", "captured_call_seconds", "copy_bandwidth", "timed_windows"]
+__all__ = ["back_to_back", "captured_call_seconds", "copy_bandwidth", "graph_replay", "timed_windows"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -72,17 +72,23 @@ def captured_call_seconds(fn: Callable[[], Any], calls: int, repeats: int = 3, *
     warm-up calls on a side stream), the graph replayed ``replays`` times back to back, the median
     of ``repeats`` such runs: a kernel's time with its launch inside a graph, as a captured
     decode step runs it, without the host's launch cost. CUDA only."""
+    return back_to_back(graph_replay(fn, calls), steps=replays, repeats=repeats) / calls
+
+
+def graph_replay(fn: Callable[[], Any], calls: int = 1, warmup: int = 3) -> Callable[[], None]:
+    """The replay of a CUDA graph that captured ``fn`` ``calls`` times back to back, after
+    ``warmup`` calls on a side stream (which also run any autotuner). CUDA only."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return back_to_back(graph.replay, steps=replays, repeats=repeats) / calls
+    return graph.replay
 
 
 def copy_bandwidth(gib: int = 1, repeats: int = 10) -> float:
