@@ -93,3 +93,77 @@ def test_cuda_scaled_mm_matches_the_emulation_and_compiles():
         torch.testing.assert_close(y.double(), _dq(x.detach(), E4M3) @ _dq(w.detach(), E4M3).t(), rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(x.grad.double(), _dq(dy, E5M2) @ _dq(w.detach(), E4M3), rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(w.grad.double(), _dq(dy, E5M2).t() @ _dq(x.detach(), E4M3), rtol=1e-4, atol=1e-3)
+
+
+def _dq_rows(t, dtype):
+    from scratchlm.model.fp8 import _quantize_rows
+
+    q, s = _quantize_rows(t, dtype)
+    return q.double() * s.double()
+
+
+def test_rowwise_scales_each_row_to_the_format_max():
+    from scratchlm.model.fp8 import _quantize_rows
+
+    t = torch.randn(16, 32) * torch.logspace(-3, 3, 16)[:, None]  # rows six decades apart
+    q, s = _quantize_rows(t, E4M3)
+    assert s.shape == (16, 1) and q.dtype == E4M3
+    assert torch.all(q.float().abs().amax(dim=1) == torch.finfo(E4M3).max)
+    rel = ((q.float() * s - t).norm(dim=1) / t.norm(dim=1)).max()
+    assert rel < 2**-4  # every row keeps FP8's relative precision, the small ones too
+
+
+def test_rowwise_forward_dx_quantised_and_weight_gradient_exact():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    dy = torch.randn(4, 8, 48)
+    y = float8_linear(x, w, "rowwise")
+    y.backward(dy)
+    x2, g = x.detach().reshape(-1, 32), dy.reshape(-1, 48)
+    y_ref = _dq_rows(x2, E4M3) @ _dq_rows(w.detach(), E4M3).t()
+    torch.testing.assert_close(y.detach().reshape(-1, 48).double(), y_ref, rtol=1e-5, atol=1e-5)
+    dx_ref = _dq_rows(g, E5M2) @ _dq_rows(w.detach().t(), E4M3).t()  # W scaled per input feature
+    torch.testing.assert_close(x.grad.reshape(-1, 32).double(), dx_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), g.double().t() @ x2.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_rowwise_under_autocast_keeps_float32_gradients_and_a_bf16_weight_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = float8_linear(x, w, "rowwise")
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn(16, 16)
+    y.float().backward(dy)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    bf16 = (dy.bfloat16().t() @ x.detach().bfloat16()).float()
+    torch.testing.assert_close(w.grad, bf16)
+
+
+def test_convert_takes_a_recipe_and_refuses_an_unknown_one():
+    model = TransformerLM(vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=48,
+                          rope_theta=10_000.0)
+    convert_to_float8(model, recipe="rowwise")
+    assert model.layers[0].attn.q_proj.fp8_recipe == "rowwise"
+    with pytest.raises(ValueError, match="recipe"):
+        convert_to_float8(model, recipe="blockwise")
+
+
+@pytest.mark.gpu
+def test_cuda_rowwise_matches_the_emulation_and_compiles():
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    w = torch.randn(384, 512, device="cuda", requires_grad=True)
+    dy = torch.randn(256, 384, device="cuda")
+    rowwise = lambda a, b: float8_linear(a, b, "rowwise")  # noqa: E731
+    for fn in (rowwise, torch.compile(rowwise)):
+        x.grad = w.grad = None
+        y = fn(x, w)  # float32 in and out: CUDA's row-wise product is bf16, then cast
+        y.backward(dy)
+        y_ref = _dq_rows(x.detach(), E4M3) @ _dq_rows(w.detach(), E4M3).t()
+        dx_ref = _dq_rows(dy, E5M2) @ _dq_rows(w.detach().t(), E4M3).t()
+        for got, want in ((y, y_ref), (x.grad, dx_ref)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        torch.testing.assert_close(w.grad, dy.t() @ x.detach(), rtol=1e-4, atol=1e-3)

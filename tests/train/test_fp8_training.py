@@ -10,12 +10,13 @@ from scratchlm.train.trainer import check_combinations
 from tests.train.small_runs import losses, make_cfg
 
 
-def test_fp8_run_learns_like_the_full_precision_run(tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_run_learns_like_the_full_precision_run(tmp_path, recipe):
     cfg = make_cfg(tmp_path)
     runs = {}
     for fp8 in (False, True):
         out = tmp_path / f"fp8_{fp8}"
-        run_training(replace(cfg, trainer=replace(cfg.trainer, fp8=fp8, out_dir=str(out))))
+        run_training(replace(cfg, trainer=replace(cfg.trainer, fp8=fp8, fp8_recipe=recipe, out_dir=str(out))))
         runs[fp8] = losses(out)
     full, fp8 = [v for _, v in runs[False]], [v for _, v in runs[True]]
     assert fp8[-1] < fp8[0] - 0.5  # it learned

@@ -290,6 +290,8 @@ def test_options_the_run_never_reads_are_noted(cfg, tmp_path, caplog):
      'draws no samples)'),
     ({"sample_tokens": 8, "sample_temperature": 0.0, "sample_top_p": 0.5}, {},
      "trainer.sample_top_p=0.5 has no effect (trainer.sample_temperature=0 samples greedily)"),
+    ({"fp8_recipe": "rowwise"}, {},
+     'trainer.fp8_recipe="rowwise" has no effect (trainer.fp8=false: the matmuls run in the compute dtype)'),
     ({"final_eval_full": True}, {"val_path": ""},
      "trainer.eval_interval=4, trainer.eval_batches=2, trainer.final_eval_full=true have no effect (data.val_path "
      "is empty: the run never evaluates)"),
@@ -303,6 +305,7 @@ def test_trainer_options_without_effect_are_noted(cfg, trainer, data, note):
     {"activation_checkpointing": True, "activation_checkpointing_every": 2},
     {"sample_tokens": 8, "sample_prompts": ["Once"], "sample_top_p": 0.5},
     {"sample_tokens": 8, "sample_temperature": 0.0},
+    {"fp8": True, "fp8_recipe": "rowwise"},
     {"final_eval_full": True, "eval_at_start": False},
 ])
 def test_trainer_options_with_effect_are_not_noted(cfg, trainer):

@@ -67,6 +67,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # "cudagraphs" with the blocks' matmuls in FP8 (trainer.fp8; scratchlm.model.fp8)
     "cudagraphs_fp8": ("scratchlm (cudagraphs variant, FP8 block matmuls)",
                        dict(optimizer="triton", fused_head=True, mode="reduce-overhead", fp8=True)),
+    # the same with row-wise scales and a bf16 weight gradient (trainer.fp8_recipe="rowwise")
+    "cudagraphs_fp8_rowwise": ("scratchlm (cudagraphs variant, FP8 row-wise, bf16 weight gradient)",
+                               dict(optimizer="triton", fused_head=True, mode="reduce-overhead", fp8="rowwise")),
     # "cudagraphs" with the residual stream in bf16 (model.low_precision_residual; numerics differ)
     "cudagraphs_bf16_residual": ("scratchlm (cudagraphs variant, bf16 residual stream)",
                                  dict(optimizer="triton", fused_head=True, mode="reduce-overhead",
@@ -162,7 +165,7 @@ def _with_atomic_dq(step: Callable[[], None]) -> Callable[[], None]:
 
 def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_head: bool = False,
                    mode: str = "default", compile_loss: bool = False, fused_projections: bool = True,
-                   packed_qkv_backward: bool = True, fp8: bool = False, atomic_dq: bool = False,
+                   packed_qkv_backward: bool = True, fp8: bool | str = False, atomic_dq: bool = False,
                    low_precision_residual: bool = False) -> Maker:
     """scratchlm's compiled step in one `VARIANTS` configuration. ``optimizer``: "scratchlm"
     (multi-tensor AdamW), "torch_fused" or "triton" (scratchlm's AdamW with fused=True).
@@ -178,7 +181,7 @@ def make_scratchlm(shape: dict[str, int], holder: dict, optimizer: str, fused_he
         if fp8:
             from scratchlm.model.fp8 import convert_to_float8
 
-            convert_to_float8(m)
+            convert_to_float8(m, recipe="tensorwise" if fp8 is True else fp8)
         opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) if optimizer == "torch_fused"
                else AdamW(m.parameters(), lr=1e-4, foreach=True, fused=optimizer == "triton"))
         if fused_head:  # compiled trunk; the chunked head's loop stays eager (its chunk math compiles)

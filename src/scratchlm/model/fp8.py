@@ -8,11 +8,20 @@ implementation on the CPU):
     backward  dx = dy W       dy in e5m2 (2 mantissa bits, max 57344: a gradient's range), W e4m3
               dW = dyᵀ x      dy e5m2, x e4m3
 
-Scaling is per tensor and dynamic: each operand is divided by amax / fp8_max just before the
-cast, so its largest entry lands on the format's largest value, and `_scaled_mm` multiplies the
-product back (its `scale_a`, `scale_b`), accumulating in float32 and writing the output in the
-input's dtype (bf16 under autocast). The forward saves the 8-bit x and W for the backward, which
-halves what a bf16 layer keeps.
+Two recipes (`trainer.fp8_recipe`):
+
+- "tensorwise" (the default): scaling is per tensor and dynamic: each operand is divided by
+  amax / fp8_max just before the cast, so its largest entry lands on the format's largest value,
+  and `_scaled_mm` multiplies the product back (its `scale_a`, `scale_b`), accumulating in float32
+  and writing the output in the input's dtype (bf16 under autocast). The forward saves the 8-bit
+  x and W for the backward, which halves what a bf16 layer keeps. The weight gradient needs x and
+  dy with the token dimension contiguous: two transposed copies a layer.
+- "rowwise": one scale per row of each operand, along the dimension the matmul sums over (x and
+  dy per token, W per output feature forward and per input feature for dx). A row's amax and its
+  cast are one pass over the row, which torch.compile fuses into a single kernel, with no
+  tensor-wide reduction before the cast. The weight gradient dW = dyᵀ x runs in the compute dtype
+  (bf16) from a bf16 copy of x: it would need both operands scaled along the tokens, so no
+  transposed FP8 copies are made at all (torchao's "rowwise with high-precision weight gradient").
 
 `convert_to_float8(model)` turns the Linears of the Transformer blocks into Float8Linears (the
 embedding and the LM head stay in bf16, as FP8 recipes do: their error reaches every logit).
@@ -29,6 +38,7 @@ from scratchlm.model.functional import compute_dtype
 from scratchlm.model.layers import Linear
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ("tensorwise", "rowwise")
 
 
 def _quantize(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -36,6 +46,16 @@ def _quantize(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     scale that multiplies it back (t ≈ q.float() * scale)."""
     fmax = torch.finfo(dtype).max
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    scale = amax / fmax
+    q = (t.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def _quantize_rows(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """t (M, K) in `dtype` with one scale per row, so each row's largest magnitude maps to the
+    format's maximum; and the (M, 1) float32 scales (t ≈ q.float() * scale)."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / fmax
     q = (t.float() / scale).clamp(-fmax, fmax).to(dtype)
     return q, scale
@@ -71,9 +91,39 @@ class _Float8Matmul(torch.autograd.Function):
         return dx, dw, None
 
 
-def float8_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x Wᵀ with FP8 operands (see the module docstring); x (..., K), weight (N, K). The output
-    takes the autocast dtype under autocast, else x's."""
+def _rowwise_mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`_mm` with row scales sa (M, 1) and column scales sb (1, N); CUDA's row-wise `_scaled_mm`
+    writes bf16 only, so the product comes in bf16 there and is then cast to `out_dtype`."""
+    direct = out_dtype if a.device.type != "cuda" else torch.bfloat16
+    return _mm(a, sa, b, sb, direct).to(out_dtype)
+
+
+class _Float8RowwiseMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
+        xq, sx = _quantize_rows(x, E4M3)  # (M, K), one scale per token
+        wq, sw = _quantize_rows(weight, E4M3)  # (N, K), one scale per output feature
+        ctx.save_for_backward(x.to(out_dtype), weight)  # dW's operand, in the compute dtype
+        ctx.dtypes = (x.dtype, out_dtype)
+        return _rowwise_mm(xq, sx, wq.t(), sw.t(), out_dtype)  # (M, N)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x_low, weight = ctx.saved_tensors
+        x_dtype, out_dtype = ctx.dtypes
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gq, sg = _quantize_rows(dy, E5M2)  # (M, N), one scale per token
+            wtq, swt = _quantize_rows(weight.t(), E4M3)  # (K, N), one scale per input feature
+            dx = _rowwise_mm(gq, sg, wtq.t(), swt.t(), x_dtype)  # (M, K)
+        if ctx.needs_input_grad[1]:
+            dw = (dy.to(out_dtype).t() @ x_low).to(weight.dtype)  # (N, K) in the compute dtype
+        return dx, dw, None
+
+
+def float8_linear(x: Tensor, weight: Tensor, recipe: str = "tensorwise") -> Tensor:
+    """x Wᵀ with FP8 operands (see the module docstring for the recipes); x (..., K), weight
+    (N, K). The output takes the autocast dtype under autocast, else x's."""
     *lead, K = x.shape
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -81,25 +131,33 @@ def float8_linear(x: Tensor, weight: Tensor) -> Tensor:
         return x @ weight.t()
     dev = x.device.type
     out_dtype = compute_dtype(x)
+    matmul = _Float8RowwiseMatmul if recipe == "rowwise" else _Float8Matmul
     with torch.autocast(dev, enabled=False):
-        y = _Float8Matmul.apply(x2, weight, out_dtype)
+        y = matmul.apply(x2, weight, out_dtype)
     return y.reshape(*lead, N)
 
 
 class Float8Linear(Linear):
-    """A `Linear` whose matmuls run in FP8 (`float8_linear`); same parameter, same checkpoint."""
+    """A `Linear` whose matmuls run in FP8 (`float8_linear`, recipe ``fp8_recipe``); same
+    parameter, same checkpoint."""
+
+    fp8_recipe = "tensorwise"
 
     def forward(self, x: Tensor) -> Tensor:
-        return float8_linear(x, self.weight)
+        return float8_linear(x, self.weight, self.fp8_recipe)
 
 
-def convert_to_float8(model: nn.Module) -> int:
-    """Turn every plain `Linear` inside `model.layers` into a `Float8Linear` (in place, the same
-    weight tensors); the embedding and LM head stay as they are. Returns how many were turned."""
+def convert_to_float8(model: nn.Module, recipe: str = "tensorwise") -> int:
+    """Turn every plain `Linear` inside `model.layers` into a `Float8Linear` with `recipe` (in
+    place, the same weight tensors); the embedding and LM head stay as they are. Returns how many
+    were turned."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     n = 0
     for block in getattr(model, "layers", []):
         for module in block.modules():
             if type(module) is Linear:
                 module.__class__ = Float8Linear
+                module.fp8_recipe = recipe
                 n += 1
     return n

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from scratchlm.data.config import DataConfig
 from scratchlm.dtypes import canonical_dtype
 from scratchlm.model.config import MAX_DIM, ModelConfig
+from scratchlm.model.fp8 import RECIPES as FP8_RECIPES
 from scratchlm.optim.config import OptimConfig
 from scratchlm.parallel.config import ParallelConfig
 
@@ -75,9 +76,12 @@ class TrainerConfig:
     # tokens, never the full (tokens x vocab) float32 logits. Half the step's memory and ~10% faster
     # at GPT-2-small size on an H200 (docs/benchmarks/train_step.md); single-process runs only.
     fused_lm_head: bool = False
-    # The Transformer blocks' matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor scales,
-    # torch._scaled_mm; scratchlm.model.fp8). CUDA needs compute capability 8.9+ (Ada, Hopper).
+    # The Transformer blocks' matmuls in FP8 (e4m3 forward, e5m2 gradients, torch._scaled_mm;
+    # scratchlm.model.fp8). CUDA needs compute capability 8.9+ (Ada, Hopper).
     fp8: bool = False
+    # With fp8: "tensorwise" (one scale per tensor, all three matmuls in FP8) or "rowwise" (one
+    # scale per row, forward and input gradient in FP8, the weight gradient in bf16).
+    fp8_recipe: str = "tensorwise"
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (bitwise-reproducible runs)
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look it up (GPUs) or report n/a (CPU)
     progress: bool = True  # show a tqdm progress bar (log lines are printed either way)
@@ -123,6 +127,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.compile_scope must be 'model' or 'blocks', got {self.compile_scope!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"trainer.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"trainer.compile_backend must be one of {', '.join(COMPILE_BACKENDS)}, "
                              f"got {self.compile_backend!r}")

@@ -170,6 +170,9 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     elif tc.compile and tc.compile_mode == "reduce-overhead" and device.type != "cuda":
         notes.append(f"trainer.compile_mode=\"reduce-overhead\" has no effect on {device.type} (its CUDA graphs "
                      "need a CUDA device); the model compiles as with \"default\"")
+    if "fp8_recipe" in changed and not tc.fp8:
+        notes.append(f"{settings_text('trainer', tc, ['fp8_recipe'])} no effect (trainer.fp8=false: the matmuls "
+                     "run in the compute dtype)")
     if "activation_checkpointing_every" in changed and not tc.activation_checkpointing:
         notes.append(f"{settings_text('trainer', tc, ['activation_checkpointing_every'])} no effect "
                      "(trainer.activation_checkpointing=false: no block is checkpointed)")
@@ -341,7 +344,7 @@ class Trainer:
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             name = torch.cuda.get_device_name(self.device)
             raise UserError(f"trainer.fp8 needs FP8 tensor cores (compute capability 8.9+); {name} has none")
-        convert_to_float8(self.raw_model)
+        convert_to_float8(self.raw_model, recipe=self.cfg.trainer.fp8_recipe)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch (forward under autocast, the loss in float32)."""
