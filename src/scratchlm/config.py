@@ -316,6 +316,15 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
+def changed_fields(config: Any, names: Sequence[str] | None = None) -> list[str]:
+    """Those of `names` (default: every field of the dataclass `config`, in order) whose value
+    in `config` is not its class's default: what a user set, for the notes on options a run
+    never reads."""
+    defaults = type(config)()
+    names = [f.name for f in dataclasses.fields(config)] if names is None else names
+    return [name for name in names if getattr(config, name) != getattr(defaults, name)]
+
+
 def settings_text(section: str, config: Any, names: Sequence[str]) -> str:
     """The fields `names` of `config` as a config sets them, for a message: with ``section="trainer"``,
     ``trainer.compile_mode="max-autotune", trainer.compile_eval=true`` ("none" for None); followed by

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from scratchlm.config import settings_text
+from scratchlm.config import changed_fields, settings_text
 
 
 def _check_finite(section: str, config: object) -> None:
@@ -30,14 +30,8 @@ def _check_at_least(section: str, minimum: int, **values: int) -> None:
             raise ValueError(f"{section}.{name} must be >= {minimum}, got {value}")
 
 
-def _changed(config: object, names: tuple[str, ...]) -> list[str]:
-    """Those of `names` whose value in `config` is not the section's default, in that order."""
-    defaults = type(config)()
-    return [name for name in names if getattr(config, name) != getattr(defaults, name)]
-
-
 def _pack_length_note(sft: "SFTConfig") -> list[str]:
-    if _changed(sft, ("pack_length",)) and not sft.packed:
+    if changed_fields(sft, ("pack_length",)) and not sft.packed:
         return [f"{settings_text('sft', sft, ['pack_length'])} no effect (sft.packed=false: the pairs are padded, "
                 "not packed)"]
     return []
@@ -330,7 +324,7 @@ class SFTRunConfig(AlignRunConfig):
     def ignored_options(self) -> list[str]:
         """One line for each group of options set away from their defaults that `scratchlm sft`
         never reads, for the command to print instead of ignoring them silently."""
-        rollouts = _changed(self.sampling, ("temperature", "top_p", "max_new_tokens"))
+        rollouts = changed_fields(self.sampling, ("temperature", "top_p", "max_new_tokens"))
         notes = [f"{settings_text('sampling', self.sampling, rollouts)} no effect (scratchlm sft draws no rollouts; "
                  "its evaluations decode greedily up to sampling.eval_max_new_tokens)"] if rollouts else []
         return notes + _pack_length_note(self.sft)
@@ -348,7 +342,7 @@ class ExpertIterationRunConfig(SFTRunConfig):
     def ignored_options(self) -> list[str]:
         """As `SFTRunConfig.ignored_options`, for `scratchlm expert-iteration`: the SFT of each step
         runs ei.sft_epochs epochs over that step's kept responses."""
-        length = _changed(self.sft, ("num_epochs", "max_steps"))
+        length = changed_fields(self.sft, ("num_epochs", "max_steps"))
         notes = [f"{settings_text('sft', self.sft, length)} no effect (each expert-iteration step fine-tunes for "
                  "ei.sft_epochs epochs over its kept responses)"] if length else []
         return notes + _pack_length_note(self.sft)
@@ -369,17 +363,17 @@ class GRPORunConfig(AlignRunConfig):
         grpo, notes = self.grpo, []
         loss = f"grpo.loss_type=\"{grpo.loss_type}\""
         if grpo.loss_type == "no_baseline":
-            advantage = _changed(grpo, ("advantage_eps", "normalize_by_std"))
+            advantage = changed_fields(grpo, ("advantage_eps", "normalize_by_std"))
             if advantage:
                 notes.append(f"{settings_text('grpo', grpo, advantage)} no effect ({loss} trains on the raw rewards, "
                              "not on advantages)")
-        elif _changed(grpo, ("advantage_eps",)) and not grpo.normalize_by_std:
+        elif changed_fields(grpo, ("advantage_eps",)) and not grpo.normalize_by_std:
             notes.append(f"{settings_text('grpo', grpo, ['advantage_eps'])} no effect (grpo.normalize_by_std=false: "
                          "advantages are not divided by the group's std)")
-        if _changed(grpo, ("cliprange",)) and grpo.loss_type != "grpo_clip":
+        if changed_fields(grpo, ("cliprange",)) and grpo.loss_type != "grpo_clip":
             notes.append(f"{settings_text('grpo', grpo, ['cliprange'])} no effect (it clips grpo_clip's ratio; "
                          f"this run's is {loss})")
-        if _changed(grpo, ("normalize_constant",)) and grpo.length_normalization != "constant":
+        if changed_fields(grpo, ("normalize_constant",)) and grpo.length_normalization != "constant":
             notes.append(f"{settings_text('grpo', grpo, ['normalize_constant'])} no effect "
                          f"(grpo.length_normalization=\"{grpo.length_normalization}\" averages over each response)")
         return notes
@@ -397,7 +391,7 @@ class DPORunConfig:
 
     def ignored_options(self) -> list[str]:
         """One line for each option set away from its default that `scratchlm dpo` never reads."""
-        if self.data.eval_path and _changed(self.data, ("eval_fraction",)):
+        if self.data.eval_path and changed_fields(self.data, ("eval_fraction",)):
             return [f"{settings_text('data', self.data, ['eval_fraction'])} no effect (data.eval_path is set: the "
                     "held-out pairs come from it, none from data.train_path)"]
         return []

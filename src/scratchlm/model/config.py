@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from scratchlm.config import settings_text
+from scratchlm.config import changed_fields, settings_text
 from scratchlm.model.attention_backends import attention_backend_names
 from scratchlm.model.moe import GEMMS
 
@@ -142,8 +142,7 @@ class ModelConfig:
         reads (the moe_* options of a model whose ffn is not "moe", rope_theta without RoPE, a
         sliding_window no shorter than context_length), for a command to print: they would
         otherwise be ignored silently."""
-        defaults = ModelConfig()
-        changed = [f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)]
+        changed = changed_fields(self)
         notes = []
         moe = [name for name in changed if name.startswith("moe_")]
         if moe and self.ffn != "moe":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from scratchlm.config import settings_text
+from scratchlm.config import changed_fields, settings_text
 
 OPTIMIZER_NAMES = ("adamw", "muon")
 SCHEDULE_NAMES = ("cosine", "linear", "constant", "wsd")
@@ -75,8 +75,7 @@ class OptimConfig:
     def ignored_options(self) -> list[str]:
         """One line for each group of options set away from their defaults that the chosen
         optimizer or schedule never reads, for a command to print instead of ignoring them silently."""
-        defaults = OptimConfig()
-        changed = {f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)}
+        changed = changed_fields(self)
         notes = []
         muon = [name for name in ("muon_lr", "muon_momentum") if name in changed]
         if muon and self.name != "muon":

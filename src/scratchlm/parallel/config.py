@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from scratchlm.config import settings_text
+from scratchlm.config import changed_fields, settings_text
 
 COMPUTE_DTYPES = ("none", "bf16", "fp16")
 OPTIMIZER_STATE_FORMATS = ("full", "sharded")
@@ -56,9 +56,7 @@ class ParallelConfig:
         from scratchlm.parallel.strategies.sharded import ShardedStateStrategy
         from scratchlm.parallel.strategy import DistributedStrategy
 
-        defaults = ParallelConfig()
-        changed = [f.name for f in fields(self)
-                   if f.name != "strategy" and getattr(self, f.name) != getattr(defaults, f.name)]
+        changed = [name for name in changed_fields(self) if name != "strategy"]
         cls = STRATEGIES[self.strategy]
         if not issubclass(cls, DistributedStrategy):
             if not changed:

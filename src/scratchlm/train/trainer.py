@@ -63,7 +63,6 @@ batch_size / (grad_accum_steps · world_size)).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -78,7 +77,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from scratchlm.config import config_to_dict, config_to_toml, settings_text
+from scratchlm.config import changed_fields, config_to_dict, config_to_toml, settings_text
 from scratchlm.device import peak_flops
 from scratchlm.errors import UserError
 from scratchlm.fileio import write_text_atomic
@@ -88,7 +87,7 @@ from scratchlm.optim import learning_rate, optimizer_spec
 from scratchlm.parallel.parallelize import parallelize
 from scratchlm.parallel.strategy import Strategy, init_strategy
 from scratchlm.train import checkpoint as ckpt
-from scratchlm.train.config import TrainConfig, TrainerConfig
+from scratchlm.train.config import TrainConfig
 from scratchlm.train.data_feed import TrainData, evaluation_totals
 from scratchlm.train.interrupt import StopSignals, TrainingInterrupted, signal_name, stop_signals
 from scratchlm.train.metrics import (
@@ -152,8 +151,8 @@ def ignored_options(cfg: TrainConfig, device: torch.device) -> list[str]:
     """One line for each option `cfg` sets (away from its default) that this run never reads,
     because another option or the device makes it have no effect; the trainer logs them as notes
     so that such an option is not ignored silently."""
-    tc, defaults = cfg.trainer, TrainerConfig()
-    changed = {f.name for f in dataclasses.fields(tc) if getattr(tc, f.name) != getattr(defaults, f.name)}
+    tc = cfg.trainer
+    changed = changed_fields(tc)
     notes = cfg.model.ignored_options() + cfg.optim.ignored_options() + cfg.parallel.ignored_options()
     compile_options = [name for name in ("compile_mode", "compile_backend", "compile_scope", "compile_cache_dir",
                                          "compile_eval") if name in changed]
@@ -299,7 +298,6 @@ class Trainer:
         if self.is_main and not self.finished:
             for note in ignored_options(cfg, self.device):
                 log.warning("note: %s", note)
-        if self.is_main and not self.finished:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", self.config_text)
             copy_tokenizer(cfg.data.tokenizer_dir, self.run_dir)
