@@ -45,11 +45,12 @@ class Parallelized:
     cudagraphs: bool  # compiled with "reduce-overhead" on CUDA: mark each step's start
 
 
-def compiled(fn, cfg: TrainerConfig):
+def compiled(fn, cfg: TrainerConfig, device: torch.device):
     """``torch.compile`` of `fn` as `cfg` asks: Inductor with ``compile_mode``, or the
-    "cudagraphs" backend (no code generation: the eager kernels replayed as CUDA graphs)."""
+    "cudagraphs" backend (no code generation: the eager kernels replayed as CUDA graphs), which
+    needs a CUDA device: elsewhere `fn` itself, run eagerly."""
     if cfg.compile_backend == "cudagraphs":
-        return torch.compile(fn, backend="cudagraphs")
+        return torch.compile(fn, backend="cudagraphs") if device.type == "cuda" else fn
     return torch.compile(fn, mode=cfg.compile_mode)
 
 
@@ -64,23 +65,18 @@ def parallelize(model: nn.Module, cfg: TrainerConfig, strategy: Strategy) -> Par
 
         apply_activation_checkpointing(model, every=cfg.activation_checkpointing_every)
     blockwise = cfg.compile and cfg.compile_scope == "blocks"
-    on_cuda = strategy.device.type == "cuda"
-    if cfg.compile_backend == "cudagraphs" and not on_cuda:
-        compile_ = lambda fn: fn  # noqa: E731  (CUDA graphs need a CUDA device: eager elsewhere)
-    else:
-        compile_ = lambda fn: compiled(fn, cfg)  # noqa: E731
     if blockwise:
         if not hasattr(plain, "block_runner"):
             raise UserError(f"trainer.compile_scope='blocks' needs a scratchlm Transformer, not {type(plain).__name__}")
-        plain.block_runner = compile_(run_block)
+        plain.block_runner = compiled(run_block, cfg, strategy.device)
     elif cfg.compile:
-        model = compile_(model)
+        model = compiled(model, cfg, strategy.device)
     model = strategy.wrap_model(model)
-    loss_fn = compile_(cross_entropy) if cfg.compile else cross_entropy
+    loss_fn = compiled(cross_entropy, cfg, strategy.device) if cfg.compile else cross_entropy
     head_inputs = None
     if cfg.fused_lm_head:
         trunk = plain.head_inputs
-        head_inputs = compile_(trunk) if cfg.compile and not blockwise else trunk
+        head_inputs = compiled(trunk, cfg, strategy.device) if cfg.compile and not blockwise else trunk
     graphed = cfg.compile_backend == "cudagraphs" or cfg.compile_mode == "reduce-overhead"
-    cudagraphs = cfg.compile and graphed and on_cuda
+    cudagraphs = cfg.compile and graphed and strategy.device.type == "cuda"
     return Parallelized(model=model, loss_fn=loss_fn, head_inputs=head_inputs, cudagraphs=cudagraphs)
