@@ -10,8 +10,8 @@ from scratchlm.model.transformer import TransformerLM
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _dq(t, dtype):
-    q, s = _quantize(t, dtype)
+def _dq(t, dtype, rows=False):
+    q, s = _quantize(t, dtype, rows=rows)
     return q.double() * s.double()
 
 
@@ -80,33 +80,32 @@ def test_convert_keeps_weights_and_keys_and_leaves_embedding_and_head():
     assert isinstance(model.layers[0].ffn.w2, Linear)
 
 
-@pytest.mark.gpu
-def test_cuda_scaled_mm_matches_the_emulation_and_compiles():
+def _cuda_runs(recipe):
+    """(y, x, w, dy) of float8_linear's `recipe` on CUDA, eagerly then compiled, x.grad and w.grad set."""
     torch.manual_seed(0)
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
     w = torch.randn(384, 512, device="cuda", requires_grad=True)
     dy = torch.randn(256, 384, device="cuda")
-    for fn in (float8_linear, torch.compile(float8_linear)):
+    linear = lambda a, b: float8_linear(a, b, recipe)  # noqa: E731
+    for fn in (linear, torch.compile(linear)):
         x.grad = w.grad = None
         y = fn(x, w)
         y.backward(dy)
-        torch.testing.assert_close(y.double(), _dq(x.detach(), E4M3) @ _dq(w.detach(), E4M3).t(), rtol=1e-4, atol=1e-3)
+        yield y, x, w, dy
+
+
+@pytest.mark.gpu
+def test_cuda_scaled_mm_matches_the_emulation_and_compiles():
+    for y, x, w, dy in _cuda_runs("tensorwise"):
+        torch.testing.assert_close(y.double(), _dq(x.detach(), E4M3) @ _dq(w.detach(), E4M3).t(), rtol=1e-4,
+                                   atol=1e-3)
         torch.testing.assert_close(x.grad.double(), _dq(dy, E5M2) @ _dq(w.detach(), E4M3), rtol=1e-4, atol=1e-3)
         torch.testing.assert_close(w.grad.double(), _dq(dy, E5M2).t() @ _dq(x.detach(), E4M3), rtol=1e-4, atol=1e-3)
 
 
-def _dq_rows(t, dtype):
-    from scratchlm.model.fp8 import _quantize_rows
-
-    q, s = _quantize_rows(t, dtype)
-    return q.double() * s.double()
-
-
 def test_rowwise_scales_each_row_to_the_format_max():
-    from scratchlm.model.fp8 import _quantize_rows
-
     t = torch.randn(16, 32) * torch.logspace(-3, 3, 16)[:, None]  # rows six decades apart
-    q, s = _quantize_rows(t, E4M3)
+    q, s = _quantize(t, E4M3, rows=True)
     assert s.shape == (16, 1) and q.dtype == E4M3
     assert torch.all(q.float().abs().amax(dim=1) == torch.finfo(E4M3).max)
     rel = ((q.float() * s - t).norm(dim=1) / t.norm(dim=1)).max()
@@ -121,9 +120,9 @@ def test_rowwise_forward_dx_quantised_and_weight_gradient_exact():
     y = float8_linear(x, w, "rowwise")
     y.backward(dy)
     x2, g = x.detach().reshape(-1, 32), dy.reshape(-1, 48)
-    y_ref = _dq_rows(x2, E4M3) @ _dq_rows(w.detach(), E4M3).t()
+    y_ref = _dq(x2, E4M3, True) @ _dq(w.detach(), E4M3, True).t()
     torch.testing.assert_close(y.detach().reshape(-1, 48).double(), y_ref, rtol=1e-5, atol=1e-5)
-    dx_ref = _dq_rows(g, E5M2) @ _dq_rows(w.detach().t(), E4M3).t()  # W scaled per input feature
+    dx_ref = _dq(g, E5M2, True) @ _dq(w.detach().t(), E4M3, True).t()  # W scaled per input feature
     torch.testing.assert_close(x.grad.reshape(-1, 32).double(), dx_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), g.double().t() @ x2.double(), rtol=1e-5, atol=1e-5)
 
@@ -153,17 +152,10 @@ def test_convert_takes_a_recipe_and_refuses_an_unknown_one():
 
 @pytest.mark.gpu
 def test_cuda_rowwise_matches_the_emulation_and_compiles():
-    torch.manual_seed(0)
-    x = torch.randn(256, 512, device="cuda", requires_grad=True)
-    w = torch.randn(384, 512, device="cuda", requires_grad=True)
-    dy = torch.randn(256, 384, device="cuda")
-    rowwise = lambda a, b: float8_linear(a, b, "rowwise")  # noqa: E731
-    for fn in (rowwise, torch.compile(rowwise)):
-        x.grad = w.grad = None
-        y = fn(x, w)  # float32 in and out: CUDA's row-wise product is bf16, then cast
-        y.backward(dy)
-        y_ref = _dq_rows(x.detach(), E4M3) @ _dq_rows(w.detach(), E4M3).t()
-        dx_ref = _dq_rows(dy, E5M2) @ _dq_rows(w.detach().t(), E4M3).t()
+    # float32 in and out: CUDA's row-wise product is bf16, then cast
+    for y, x, w, dy in _cuda_runs("rowwise"):
+        y_ref = _dq(x.detach(), E4M3, True) @ _dq(w.detach(), E4M3, True).t()
+        dx_ref = _dq(dy, E5M2, True) @ _dq(w.detach().t(), E4M3, True).t()
         for got, want in ((y, y_ref), (x.grad, dx_ref)):
             torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
         torch.testing.assert_close(w.grad, dy.t() @ x.detach(), rtol=1e-4, atol=1e-3)

@@ -41,21 +41,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise")
 
 
-def _quantize(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """t in `dtype` scaled so its largest magnitude maps to the format's maximum; and the float32
-    scale that multiplies it back (t ≈ q.float() * scale)."""
+def _quantize(t: Tensor, dtype: torch.dtype, rows: bool = False) -> tuple[Tensor, Tensor]:
+    """t in `dtype` scaled so its largest magnitude maps to the format's maximum, or with `rows`
+    each row's of a (M, K) t; and the float32 scale that multiplies it back (t ≈ q.float() *
+    scale): a scalar, or (M, 1) with `rows`."""
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)
-    scale = amax / fmax
-    q = (t.float() / scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale
-
-
-def _quantize_rows(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """t (M, K) in `dtype` with one scale per row, so each row's largest magnitude maps to the
-    format's maximum; and the (M, 1) float32 scales (t ≈ q.float() * scale)."""
-    fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    magnitude = t.detach().abs()
+    amax = (magnitude.amax(dim=1, keepdim=True) if rows else magnitude.amax()).float().clamp(min=1e-12)
     scale = amax / fmax
     q = (t.float() / scale).clamp(-fmax, fmax).to(dtype)
     return q, scale
@@ -101,8 +93,8 @@ def _rowwise_mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out_dtype: torch.d
 class _Float8RowwiseMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
-        xq, sx = _quantize_rows(x, E4M3)  # (M, K), one scale per token
-        wq, sw = _quantize_rows(weight, E4M3)  # (N, K), one scale per output feature
+        xq, sx = _quantize(x, E4M3, rows=True)  # (M, K), one scale per token
+        wq, sw = _quantize(weight, E4M3, rows=True)  # (N, K), one scale per output feature
         ctx.save_for_backward(x.to(out_dtype), weight)  # dW's operand, in the compute dtype
         ctx.dtypes = (x.dtype, out_dtype)
         return _rowwise_mm(xq, sx, wq.t(), sw.t(), out_dtype)  # (M, N)
@@ -113,8 +105,8 @@ class _Float8RowwiseMatmul(torch.autograd.Function):
         x_dtype, out_dtype = ctx.dtypes
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            gq, sg = _quantize_rows(dy, E5M2)  # (M, N), one scale per token
-            wtq, swt = _quantize_rows(weight.t(), E4M3)  # (K, N), one scale per input feature
+            gq, sg = _quantize(dy, E5M2, rows=True)  # (M, N), one scale per token
+            wtq, swt = _quantize(weight.t(), E4M3, rows=True)  # (K, N), one scale per input feature
             dx = _rowwise_mm(gq, sg, wtq.t(), swt.t(), x_dtype)  # (M, K)
         if ctx.needs_input_grad[1]:
             dw = (dy.to(out_dtype).t() @ x_low).to(weight.dtype)  # (N, K) in the compute dtype
