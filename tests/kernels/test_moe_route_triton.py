@@ -7,8 +7,9 @@ torch path (then only the hand-written backward is under test); `pytest -m gpu` 
 import pytest
 import torch
 
-from scratchlm.kernels.moe_route_triton import BLOCK_T, _torch_route, buffer_rows, route_and_layout
+from scratchlm.kernels.moe_route_triton import BLOCK_T, _torch_route, route_and_layout
 from scratchlm.kernels.triton_support import interpreting, triton_available
+from scratchlm.model.moe import buffer_rows
 
 CASES = [  # (tokens, experts, top_k, capacity or None, renormalize)
     (300, 8, 2, None, True),  # three blocks of tokens: the counts carry across blocks

@@ -33,8 +33,9 @@ from scratchlm.kernels.triton_support import can_use_triton as _can_use_triton
 from scratchlm.kernels.triton_support import device_of as _device
 from scratchlm.kernels.triton_support import register_op as _register
 from scratchlm.kernels.triton_support import tl, triton, wrap_triton
+from scratchlm.model.moe import block_layout, buffer_rows, count_per_expert, route
 
-__all__ = ["Routing", "buffer_rows", "route_and_layout"]
+__all__ = ["Routing", "route_and_layout"]
 
 BLOCK_T = 128  # tokens a program routes
 
@@ -132,19 +133,12 @@ class Routing(NamedTuple):
     row_token: Tensor  # (P,) int32 the token a row holds, -1 for padding
 
 
-def buffer_rows(num_assignments: int, num_experts: int, align: int) -> int:
-    """P: the buffer's rows, a bound that does not depend on the routing."""
-    return (num_assignments + align - 1) // align * align + num_experts * align
-
-
 def _prob_dtype(logits: Tensor) -> torch.dtype:
     """Probabilities and gates: float32, or float64 for float64 logits (as `scratchlm.model.moe.route`)."""
     return torch.promote_types(logits.dtype, torch.float32)
 
 
 def _torch_route(logits: Tensor, top_k: int, renormalize: bool, capacity: int, align: int) -> list[Tensor]:
-    from scratchlm.model.moe import block_layout, count_per_expert, route
-
     N, E = logits.shape
     probs, gates, experts = route(logits, top_k, renormalize)
     flat_expert = experts.t().reshape(-1)

@@ -331,8 +331,8 @@ def _expert_grad_impl(a: torch.Tensor, b: torch.Tensor, row_token: torch.Tensor,
     if not _can_use_triton(a):  # torch, without a host sync (see _rows_reference)
         P = row_token.shape[0]
         src = (b[row_token.clamp(min=0).long()] if gather_b else b[:P]).to(a.dtype).float()
-        place = torch.arange(P, device=a.device) - _block_starts(offs)[_expert_of_rows(offs, P)]
         expert = _expert_of_rows(offs, P)
+        place = torch.arange(P, device=a.device) - _block_starts(offs)[expert]
         mine = (expert[None, :] == torch.arange(E, device=a.device)[:, None]) & (place < kept[expert])[None, :]
         c = torch.einsum("ep,pm,pn->emn", mine.float(), a.float(), src).to(out_dtype)
         return [c[:, :split].clone(), c[:, split:].clone()]

@@ -354,6 +354,12 @@ class BlockLayout(NamedTuple):
     filled: Tensor  # (P,) bool: the row holds an assignment
 
 
+def buffer_rows(num_assignments: int, num_experts: int, align: int) -> int:
+    """P: the grouped GEMMs' buffer rows for `num_assignments` in blocks aligned to `align` rows, a
+    bound that does not depend on the routing (each block wastes fewer than `align` rows)."""
+    return (num_assignments + align - 1) // align * align + num_experts * align
+
+
 def block_layout(flat_expert: Tensor, num_experts: int, capacity: int | None, align: int) -> BlockLayout:
     """The buffer layout of assignments ``flat_expert`` (A,) (priority order) grouped by expert.
 
@@ -372,7 +378,7 @@ def block_layout(flat_expert: Tensor, num_experts: int, capacity: int | None, al
     kept = counts if capacity is None else counts.clamp(max=capacity)
     blocks = (kept + align - 1) // align * align
     ends = torch.cumsum(blocks, 0)
-    P = (A + align - 1) // align * align + E * align
+    P = buffer_rows(A, E, align)
     offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)
 
     keep = rank < kept[flat_expert]
